@@ -1,0 +1,57 @@
+"""Shared fixtures: the offline tiny model and toy task (see `trl_ppo_variants/toy.py`). No network is used."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def toy_model_dir(tmp_path_factory):
+    """The warm-started tiny model and its tokenizer saved to disk (TRL reloads the reference from the path)."""
+    from trl_ppo_variants.toy import make_toy_checkpoint
+
+    return make_toy_checkpoint(str(tmp_path_factory.mktemp("toy_model")), seed=0, warm_steps=25)
+
+
+@pytest.fixture(scope="session")
+def toy_tokenizer(toy_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(toy_model_dir)
+
+
+@pytest.fixture
+def toy_dataset():
+    from trl_ppo_variants.toy import addition_dataset
+
+    return addition_dataset(256, seed=0)
+
+
+def toy_args(config_cls, tmp_path, **overrides):
+    """Small, fast, offline, CPU-only settings for any config class of the package."""
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        save_strategy="no",
+        disable_tqdm=True,
+        beta=0.0,
+    )
+    kwargs.update(overrides)
+    return config_cls(**kwargs)

@@ -1,0 +1,300 @@
+"""Advantage estimators: pure torch functions, no Trainer, no accelerator, no config objects.
+
+Layout convention (TRL's): the `G` completions of one prompt are consecutive rows, so a batch of `N` rows holds
+`N // G` groups. Shapes: `N` rows, `T` completion tokens, `mask` is 1 on valid completion tokens and 0 on padding.
+
+Failure semantics shared by every estimator:
+- a NaN reward (a reward function returned None for that completion) gives that row advantage 0 and is left out of
+  every baseline and every normalisation statistic;
+- a group whose rewards are all equal gives advantage 0 (never NaN): it carries no ranking signal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "grpo_advantages",
+    "rloo_advantages",
+    "remax_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "masked_whiten",
+    "masked_mean",
+    "kl_estimate",
+    "gae",
+    "length_adaptive_lambda",
+    "token_rewards_from_outcome",
+    "group_view",
+]
+
+KL_KINDS = ("k1", "k2", "k3")
+SCALE_KINDS = ("group", "batch", "none")
+
+
+def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(N,) -> (N // G, G); raises a clear error when N is not a multiple of G."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if x.shape[0] % group_size != 0:
+        raise ValueError(f"the number of rows ({x.shape[0]}) is not a multiple of group_size ({group_size})")
+    return x.view(-1, group_size)
+
+
+def _nan_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """Sample (Bessel-corrected) standard deviation ignoring NaNs; NaN where fewer than 2 values are finite."""
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
+    mean = torch.nanmean(x, dim=dims, keepdim=True)
+    sq = torch.nansum((x - mean) ** 2, dim=dims, keepdim=True)
+    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan")))
+    std = var.sqrt()
+    return std if keepdim else std.squeeze(dims) if dim is not None else std.reshape(())
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages (arXiv 2402.03300), exactly as TRL's `GRPOTrainer` computes them.
+
+    `A_i = (r_i - mean_group) / (std + eps)` with the sample standard deviation; `std` is the group's for
+    `scale="group"`, the whole batch's for `scale="batch"`, and no division at all for `scale="none"`.
+
+    Args:
+        rewards: (N,) float, NaN for unscorable rows.
+        group_size: G.
+    Returns:
+        (N,) advantages; 0 for NaN rewards.
+    """
+    if scale not in SCALE_KINDS:
+        raise ValueError(f"scale must be one of {SCALE_KINDS}, got {scale!r}")
+    grouped = group_view(rewards, group_size)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    adv = grouped - mean
+    if scale == "group":
+        std = _nan_std(grouped, dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+        adv = adv / (std + eps)
+    elif scale == "batch":
+        std = _nan_std(rewards) if rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
+        adv = adv / (std + eps)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE Leave-One-Out advantages (arXiv 2402.14740): `A_i = r_i - (sum_group - r_i) / (G - 1)`.
+
+    With NaN rewards the baseline averages the scorable siblings only; a row with no scorable sibling gets 0.
+    The advantages of a fully scorable group sum to 0.
+
+    Args:
+        rewards: (N,), NaN for unscorable rows.
+    Returns:
+        (N,)
+    """
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2 (a leave-one-out baseline), got {group_size}")
+    grouped = group_view(rewards, group_size)
+    count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    total = torch.nansum(grouped, dim=1, keepdim=True)
+    baseline = (total - grouped) / (count - 1)  # 0/0 = NaN for a lone scorable row, zeroed below
+    return torch.nan_to_num((grouped - baseline).reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """ReMax advantages (arXiv 2310.10505): `A_i = r_i - b_p`, `b_p` the reward of prompt p's greedy completion.
+
+    No whitening, as in the paper. A NaN greedy reward leaves its group without a baseline: advantage 0.
+
+    Args:
+        rewards: (N,)
+        greedy_rewards: (N // G,)
+    Returns:
+        (N,)
+    """
+    grouped = group_view(rewards, group_size)
+    if greedy_rewards.shape != (grouped.shape[0],):
+        raise ValueError(f"greedy_rewards must have shape ({grouped.shape[0]},), got {tuple(greedy_rewards.shape)}")
+    adv = grouped - greedy_rewards.to(grouped.dtype).unsqueeze(1)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of `x` over the entries where `mask` is 1 (0 when there are none)."""
+    mask = mask.to(x.dtype)
+    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """`(x - mean) * rsqrt(var + eps)` with the mean and the unbiased variance over the valid entries; 0 where masked.
+
+    Args:
+        x: any shape, e.g. (N, T).
+        mask: same shape, 1 for valid entries.
+    Returns:
+        same shape as `x`.
+    """
+    m = mask.to(x.dtype)
+    count = m.sum()
+    mean = (x * m).sum() / count.clamp(min=1.0)
+    centered = (x - mean) * m
+    var = (centered**2).sum() / (count - 1).clamp(min=1.0)  # Bessel; a single valid entry centres to 0 anyway
+    return centered * torch.rsqrt(var + eps)
+
+
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimators (Schulman, "Approximating KL divergence"), elementwise, same shape as input.
+
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    log_ratio = logp - ref_logp
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    return torch.exp(-log_ratio) + log_ratio - 1
+
+
+def _last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """(N, T) mask -> (N,) index of the last valid token (0 for an empty row)."""
+    t = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), t, torch.zeros_like(t)).max(dim=1).values
+
+
+def token_rewards_from_outcome(
+    rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """Token-level rewards: `-kl_coef * kl_t` at every valid token plus the outcome reward at the last valid token.
+
+    Args:
+        rewards: (N,) outcome rewards; NaN rows give all-zero token rewards.
+        mask: (N, T)
+        kl: (N, T) per-token KL estimate, or None.
+    Returns:
+        (N, T), 0 on masked positions.
+    """
+    m = mask.to(torch.float32)
+    token_rewards = torch.zeros_like(m)
+    if kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * kl.to(torch.float32) * m
+    finite = torch.nan_to_num(rewards.to(torch.float32), nan=0.0)
+    has_token = m.sum(dim=1) > 0
+    rows = torch.arange(m.shape[0], device=m.device)[has_token]
+    token_rewards[rows, _last_valid_index(mask)[has_token]] += finite[has_token]
+    token_rewards[torch.isnan(rewards)] = 0.0
+    return token_rewards * m
+
+
+def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = sum_{t' >= t, valid} gamma^(#valid steps between) r_t'; masked positions are skipped, not zeroed into."""
+    if gamma == 1.0:  # reverse cumulative sum, no loop
+        return torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [1]), 1), [1]) * mask
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        valid = mask[:, t].bool()
+        running = torch.where(valid, token_rewards[:, t] + gamma * running, running)
+        returns[:, t] = torch.where(valid, running, torch.zeros_like(running))
+    return returns
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """REINFORCE++ advantages (arXiv 2501.03262, Eq. 4-6).
+
+    Token rewards `-kl_coef * kl_t` (+ the outcome reward at the last valid token), returns
+    `G_t = sum_{t' >= t} gamma^(t'-t) r_t'`, then `masked_whiten` over all valid tokens of the batch.
+
+    Args:
+        rewards: (N,) outcome rewards, NaN for unscorable rows (advantage 0, excluded from whitening).
+        mask: (N, T)
+        kl: (N, T) per-token KL estimate (k1 in the paper), or None.
+    Returns:
+        (N, T), 0 on masked positions.
+    """
+    valid = mask.to(torch.float32) * (~torch.isnan(rewards)).to(torch.float32).unsqueeze(1)
+    token_rewards = token_rewards_from_outcome(rewards, valid, kl, kl_coef)
+    returns = _discounted_returns(token_rewards, valid, gamma)
+    return masked_whiten(returns, valid)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """REINFORCE++-baseline advantages (arXiv 2501.03262, Eq. 7-8).
+
+    `r_i - mean_group` broadcast to the valid tokens of row i, then `masked_whiten` over all valid tokens of the batch.
+
+    Args:
+        rewards: (N,), NaN for unscorable rows.
+        mask: (N, T)
+    Returns:
+        (N, T), 0 on masked positions.
+    """
+    grouped = group_view(rewards, group_size)
+    centered = (grouped - torch.nanmean(grouped, dim=1, keepdim=True)).reshape(-1)
+    valid = mask.to(torch.float32) * (~torch.isnan(centered)).to(torch.float32).unsqueeze(1)
+    per_token = torch.nan_to_num(centered, nan=0.0).unsqueeze(1) * valid
+    return masked_whiten(per_token, valid)
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation (arXiv 1506.02438) over valid tokens.
+
+    `delta_t = r_t + gamma * V_next - V_t`, `A_t = delta_t + gamma * lam * A_next`, where "next" is the next *valid*
+    token (masked positions neither contribute nor break the recursion) and the value after the last valid token is 0.
+    With `lam = 1` and `gamma = 1`, `A_t = sum_{t' >= t} r_t' - V_t` (the Monte-Carlo return minus the value).
+
+    Args:
+        token_rewards: (N, T)
+        values: (N, T)
+        mask: (N, T)
+        lam: a float, or a (N,) tensor of per-sequence lambdas (length-adaptive GAE, VAPO).
+    Returns:
+        advantages (N, T) and returns `advantages + values` (N, T), both 0 on masked positions.
+    """
+    m = mask.to(torch.float32)
+    rewards = token_rewards.to(torch.float32)
+    vals = values.detach().to(torch.float32)
+    lam_t = torch.as_tensor(lam, dtype=torch.float32, device=rewards.device)
+    lam_t = lam_t.expand(rewards.shape[0]) if lam_t.dim() == 0 else lam_t.to(torch.float32)
+    if lam_t.shape != (rewards.shape[0],):
+        raise ValueError(f"lam must be a float or have shape ({rewards.shape[0]},), got {tuple(lam_t.shape)}")
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    next_adv = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        valid = m[:, t].bool()
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        adv_t = delta + gamma * lam_t * next_adv
+        next_adv = torch.where(valid, adv_t, next_adv)
+        next_value = torch.where(valid, vals[:, t], next_value)
+        advantages[:, t] = torch.where(valid, adv_t, torch.zeros_like(adv_t))
+    returns = (advantages + vals) * m
+    return advantages, returns
+
+
+def length_adaptive_lambda(lengths: torch.Tensor, alpha: float = 0.05) -> torch.Tensor:
+    """VAPO's length-adaptive GAE lambda (arXiv 2504.05118, Eq. 9): `lam = 1 - 1 / (alpha * l)`, clamped to [0, 1].
+
+    Short sequences (`l <= 1 / alpha`, i.e. 20 tokens at alpha = 0.05) get lam = 0: pure one-step TD advantages.
+    A length of 0 gives 0 as well (no division by zero).
+
+    Args:
+        lengths: (N,) number of valid tokens per completion.
+    Returns:
+        (N,) float lambdas in [0, 1].
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    scaled = alpha * lengths.to(torch.float32)
+    lam = 1.0 - 1.0 / scaled.clamp(min=1e-12)
+    return lam.clamp(min=0.0, max=1.0)

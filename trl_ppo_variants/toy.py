@@ -1,0 +1,160 @@
+"""Offline tiny model, tokenizer and toy task, shared by the tests, the demo and the benchmarks.
+
+Nothing here touches the network: the tokenizer is trained with `tokenizers` on a generated corpus, the model is a
+randomly initialised Qwen3 of hidden size 64 with 2 layers. The toy task is single-digit addition ("3+4=" -> "7"):
+verifiable, small enough that a warm-started tiny model is right on roughly half of the prompts, so every algorithm
+has reward variance to learn from.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<pad>", "<|im_end|>", "<|im_start|>"]
+ALPHABET = "0123456789+-*=?:., abcdefghijklmnopqrstuvwxyz\n\\{}"
+
+
+def build_tokenizer():
+    """A character-level `PreTrainedTokenizerFast` trained offline, with a chat template; eos is `<|im_end|>`."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    trainer = trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS + ["?"], min_frequency=1)
+    tok.train_from_iterator([ALPHABET] * 4, trainer=trainer)
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", bos_token=None, unk_token="?"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.padding_side = "left"
+    return fast
+
+
+def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+    """A random Qwen3 causal LM sized for CPU tests (about 0.1M parameters)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+# --------------------------------------------------------------------------------------------- the toy task
+def addition_examples(max_digit: int = 4):
+    """All prompts `"a+b="` with `0 <= a, b <= max_digit`, with their answer `str(a + b)`."""
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a in range(max_digit + 1)
+        for b in range(max_digit + 1)
+    ]
+
+
+def addition_dataset(n: int = 64, max_digit: int = 4, seed: int = 0):
+    """A `datasets.Dataset` of `n` rows drawn (with a seeded shuffle, cycling) from `addition_examples`."""
+    from datasets import Dataset
+
+    base = addition_examples(max_digit)
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        block = base[:]
+        rng.shuffle(block)
+        rows.extend(block)
+    return Dataset.from_list(rows[:n])
+
+
+_FIRST_NUMBER = re.compile(r"-?\d+")
+
+
+def addition_reward(completions, answer, **kwargs):
+    """1.0 when the first number in the completion equals the answer, else 0.0 (a verifiable reward)."""
+    out = []
+    for completion, truth in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[-1]["content"]
+        match = _FIRST_NUMBER.search(text)
+        out.append(1.0 if match is not None and match.group(0) == str(truth) else 0.0)
+    return out
+
+
+def warm_start(model, tokenizer, steps: int = 40, lr: float = 3e-3, max_digit: int = 4, seed: int = 0):
+    """A short supervised fit on `"a+b=c<eos>"` so that the reward is not all-zero at the start of RL.
+
+    The number of steps is chosen so that the model is right on about half of the prompts: RL then has signal.
+    """
+    torch.manual_seed(seed)
+    examples = addition_examples(max_digit)
+    texts = [e["prompt"] + e["answer"] + tokenizer.eos_token for e in examples]
+    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+    labels = enc["input_ids"].clone()
+    labels[enc["attention_mask"] == 0] = -100
+    prompt_lens = [len(tokenizer(e["prompt"])["input_ids"]) for e in examples]
+    for i, n in enumerate(prompt_lens):
+        labels[i, :n] = -100  # learn the answer only
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in range(steps):
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, max_digit: int = 4, max_new_tokens: int = 3) -> float:
+    """Share of the toy prompts the model answers right with greedy decoding."""
+    examples = addition_examples(max_digit)
+    enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True, padding_side="left")
+    was_training = model.training
+    model.eval()
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    rewards = addition_reward(texts, [e["answer"] for e in examples])
+    return sum(rewards) / len(rewards)
+
+
+def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int = 40) -> str:
+    """Build, warm-start and save the tiny model and tokenizer to `path` (a temp dir when None); return the path.
+
+    TRL reloads the reference model from this path when `beta != 0`, hence a real directory on disk.
+    """
+    path = path or tempfile.mkdtemp(prefix="toy_model_")
+    tok = build_tokenizer()
+    model = build_model(tok, seed=seed)
+    if warm_steps:
+        warm_start(model, tok, steps=warm_steps, seed=seed)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

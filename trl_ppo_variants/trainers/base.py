@@ -1,0 +1,280 @@
+"""The seam into TRL's `GRPOTrainer`, shared by every trainer of this package.
+
+TRL has no advantage hook: advantages are computed inside `_generate_and_score_completions` (about 600 lines). We do
+not copy that method (TRL deleted several of its own experimental trainers whose copies drifted). Instead:
+
+1. `_calculate_rewards` is wrapped to keep the rewards it returns (already gathered across processes);
+2. `_generate_and_score_completions` calls TRL's, then lets the algorithm
+   a. optionally keep only some rows (`select_rows`: DAPO's filter, TTRL's vote/train split; see `selection.py`),
+   b. recompute the advantages from the kept rewards with the pure functions of `advantages.py`
+      (`compute_advantages`, (N,) or (N, T) on the global batch), and
+   c. replace `output["advantages"]` with this process's slice and the logged advantages with ours.
+3. `_compute_loss` is TRL's, which accepts (B, T) advantages.
+
+`tests/test_trl_guard.py` fails loudly when the private signatures used here change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from .. import selection
+from ..advantages import KL_KINDS, kl_estimate
+
+# Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
+TRL_PRIVATE_API = {
+    "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
+    "_generate_and_score_completions": ("self", "inputs"),
+    "_compute_loss": ("self", "model", "inputs"),
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
+    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
+    "_prepare_inputs": ("self", "generation_batch"),
+}
+
+
+def check(condition: bool, field_name: str, expected: str, value) -> None:
+    """Raise the package's one-line config error: names the field, what was expected and what was given."""
+    if not condition:
+        raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
+
+
+@dataclass
+class VariantConfig(GRPOConfig):
+    r"""
+    Fields shared by every config of this package, on top of [`~trl.GRPOConfig`].
+
+    Parameters:
+        kl_in_reward_coef (`float`, *optional*, defaults to `0.0`):
+            Coefficient of the per-token KL(pi || ref) folded into the reward (classic RLHF; REINFORCE++ Eq. 4, PPO).
+            Non-zero loads the reference model even when `beta == 0`. Independent of `beta`, which weights a KL term
+            in the loss as in TRL.
+        kl_in_reward_estimator (`str`, *optional*, defaults to `"k1"`):
+            Estimator of the KL in the reward: `"k1"`, `"k2"` or `"k3"`.
+        kl_loss_estimator (`str`, *optional*, defaults to `"k3"`):
+            Estimator of the KL loss term weighted by `beta`: `"k3"` (TRL's), `"k2"` (REINFORCE++-baseline, Eq. 8) or
+            `"k1"`.
+    """
+
+    kl_in_reward_coef: float = field(
+        default=0.0,
+        metadata={"help": "Coefficient of the per-token KL(pi || ref) folded into the reward; loads the reference."},
+    )
+    kl_in_reward_estimator: str = field(
+        default="k1", metadata={"help": "KL estimator in the reward: 'k1', 'k2' or 'k3'."}
+    )
+    kl_loss_estimator: str = field(
+        default="k3", metadata={"help": "KL estimator of the loss term weighted by `beta`: 'k1', 'k2' or 'k3'."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.kl_in_reward_coef >= 0, "kl_in_reward_coef", "a number >= 0", self.kl_in_reward_coef)
+        check(self.beta >= 0, "beta", "a number >= 0", self.beta)
+        check(self.kl_in_reward_estimator in KL_KINDS, "kl_in_reward_estimator", f"one of {KL_KINDS}",
+              self.kl_in_reward_estimator)
+        check(self.kl_loss_estimator in KL_KINDS, "kl_loss_estimator", f"one of {KL_KINDS}", self.kl_loss_estimator)
+        check(self.num_generations is None or self.num_generations >= 2, "num_generations",
+              "an integer >= 2 (a group baseline needs siblings)", self.num_generations)
+        check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
+        check(self.epsilon >= 0, "epsilon", "a number >= 0", self.epsilon)
+        if self.epsilon_high is not None:
+            check(self.epsilon_high >= 0, "epsilon_high", "a number >= 0", self.epsilon_high)
+
+
+class VariantTrainer(GRPOTrainer):
+    """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
+
+    Subclasses override `compute_advantages` and, when they drop rows, `select_rows`.
+    """
+
+    _tag_names = ["trl", "trl-ppo-variants"]
+
+    def __init__(self, model, reward_funcs, args=None, **kwargs):
+        self._captured_rewards_per_func = None
+        self._capture_logps = False
+        self._captured_logps = None
+        # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
+        # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
+        # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
+        # toggled: non-zero while generating whenever a reference is needed, the loss coefficient while computing
+        # the loss (0 when our own KL-loss estimator replaces TRL's k3).
+        self.loss_beta = float(args.beta) if args is not None else 0.0
+        self.kl_in_reward_coef = float(getattr(args, "kl_in_reward_coef", 0.0) or 0.0)
+        self.kl_loss_estimator = getattr(args, "kl_loss_estimator", "k3")
+        self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
+        self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
+        if args is not None and self.needs_reference and args.beta == 0.0:
+            args.beta = 1.0  # only so that TRL loads the reference model; restored below
+            try:
+                super().__init__(model, reward_funcs, args=args, **kwargs)
+            finally:
+                args.beta = 0.0
+        else:
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.beta = 1.0 if self.needs_reference else 0.0
+
+    # -------------------------------------------------------------------------------------------- hooks
+    def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
+        """Advantages for the global batch: (N,) or (N, T). `rewards` is (N,) (NaN: unscorable), `batch` the global
+        rollout (only built when `needs_global_batch` is True)."""
+        raise NotImplementedError
+
+    #: set by estimators that need per-token tensors of the whole batch (masks, log-probs) to compute advantages
+    needs_global_batch = False
+
+    def select_rows(self, rewards_per_func: torch.Tensor, group_size: int, inputs: list) -> torch.Tensor | None:
+        """Global row indices to keep (the same on every rank), or None to keep every row."""
+        return None
+
+    def kept_group_size(self, group_size: int) -> int:
+        """The group size after `select_rows` (TTRL trains on n_train of n_votes rows per prompt)."""
+        return group_size
+
+    # -------------------------------------------------------------------------------------------- the seam
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._captured_rewards_per_func = rewards_per_func
+        return rewards_per_func
+
+    def total_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """Weighted sum over reward functions, NaN where every function returned None (as TRL does). (N, F) -> (N,)."""
+        weights = self.reward_weights.to(rewards_per_func.device)
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+        return rewards
+
+    def _generate_and_score_completions(self, inputs):
+        self.beta = 1.0 if self.needs_reference else 0.0  # TRL computes reference log-probs iff beta != 0
+        output = super()._generate_and_score_completions(inputs)
+        return self._replace_advantages(output, inputs)
+
+    def _compute_loss(self, model, inputs):
+        own_kl = self.loss_beta != 0.0 and self.kl_loss_estimator != "k3"
+        self.beta = 0.0 if own_kl else self.loss_beta
+        self._capture_logps = own_kl
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_logps = False
+            self.beta = 1.0 if self.needs_reference else 0.0
+        if own_kl:
+            loss = loss + self.loss_beta * self._kl_loss_term(inputs)
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        if self._capture_logps:  # the policy log-probs (with grad) of the loss's forward pass, for our KL term
+            self._captured_logps = result[0]
+        return result
+
+    def _kl_loss_term(self, inputs) -> torch.Tensor:
+        """KL(pi || ref) loss term with `kl_loss_estimator`, aggregated like the policy loss of `loss_type`."""
+        from ..losses import aggregate_token_loss
+
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        per_token_kl = kl_estimate(self._captured_logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
+        self._captured_logps = None
+        mode = "train" if self.model.training else "eval"
+        value = aggregate_token_loss(
+            per_token_kl,
+            mask,
+            self.loss_type,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            num_processes=self.accelerator.num_processes,
+            grad_accum=self.current_gradient_accumulation_steps if mode == "train" else 1,
+            steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
+            max_completion_length=self.max_completion_length,
+        )
+        stats = self.accelerator.reduce(
+            torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]), reduction="sum"
+        )
+        self._metrics[mode]["kl"].append((stats[0] / stats[1].clamp(min=1.0)).item())
+        return value
+
+    def reference_kl(self, output: dict) -> torch.Tensor | None:
+        """Per-token KL(pi_old || ref) with `kl_in_reward_estimator`, for KL-in-reward estimators. Local (B, T).
+
+        Uses the sampling-time policy log-probs; TRL skips computing them when generation and optimisation are
+        aligned (then they equal the current policy's), so they are computed here in that case, without grad.
+        """
+        if self.kl_in_reward_coef == 0.0:
+            return None
+        old = output.get("old_per_token_logps")
+        if old is None:
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            with torch.no_grad():
+                old, _, _ = super()._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size if self.model.training
+                    else self.args.per_device_eval_batch_size,
+                )
+        kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
+        mask = output["completion_mask"]
+        mode = "train" if self.model.training else "eval"
+        stats = self.accelerator.reduce(torch.stack([(kl * mask).sum(), mask.sum().float()]), reduction="sum")
+        self._metrics[mode]["kl_in_reward"].append((stats[0] / stats[1].clamp(min=1.0)).item())
+        return kl * mask
+
+    def _replace_advantages(self, output: dict, inputs: list) -> dict:
+        mode = "train" if self.model.training else "eval"
+        group_size = self.num_generations if mode == "train" else self.num_generations_eval
+        rewards_per_func = self._captured_rewards_per_func
+        num_local = output["prompt_ids"].shape[0]
+        num_logged = rewards_per_func.shape[0]
+
+        keep = self.select_rows(rewards_per_func, group_size, inputs)
+        kl = self.reference_kl(output)
+        if kl is not None:
+            output["kl_in_reward"] = kl
+        global_batch = None
+        if keep is not None or self.needs_global_batch or kl is not None:
+            global_batch = selection.gather_rollout(self.accelerator, output, num_local, self._tokenizer.pad_token_id)
+            output.pop("kl_in_reward", None)
+        if keep is not None:
+            rewards_per_func = rewards_per_func[keep]
+            global_batch = {k: v[keep] for k, v in global_batch.items()}
+            group_size = self.kept_group_size(group_size)
+
+        rewards = self.total_rewards(rewards_per_func)
+        advantages = self.compute_advantages(rewards, global_batch, group_size)
+        if not torch.isfinite(advantages).all():  # the estimators promise this; a broken subclass must not train
+            raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
+
+        if keep is not None:
+            global_batch["advantages"] = advantages
+            global_batch.pop("kl_in_reward", None)
+            output = selection.localize_rollout(
+                self.accelerator, global_batch, torch.arange(advantages.shape[0], device=advantages.device)
+            )
+        else:
+            rank = self.accelerator.process_index
+            local = advantages[rank * num_local : (rank + 1) * num_local]
+            if local.dim() == 2:
+                local = local[:, : output["completion_mask"].shape[1]]
+            output["advantages"] = local
+        self._log_advantages(advantages, num_logged, keep)
+        return output
+
+    def _log_advantages(self, advantages: torch.Tensor, num_logged: int, keep: torch.Tensor | None):
+        """Put this algorithm's advantages (per-sequence mean for token-level ones) in the completions table."""
+        per_row = advantages
+        if per_row.dim() == 2:
+            nonzero = (per_row != 0).sum(dim=1).clamp(min=1)
+            per_row = per_row.sum(dim=1) / nonzero
+        if keep is not None:  # dropped rows show NaN: they were generated and scored but not trained on
+            full = torch.full((num_logged,), float("nan"), device=per_row.device)
+            full[keep] = per_row
+            per_row = full
+        logged = self._logs["advantages"]
+        if len(logged) >= num_logged:
+            for _ in range(num_logged):
+                logged.pop()
+            logged.extend(per_row.tolist())
