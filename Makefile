@@ -1,0 +1,39 @@
+# Every target creates its own virtualenv (.venv) and installs what it needs; nothing is assumed on the machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ALGO ?=
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-quick test-slow demo bench bench-gpu-cpu clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU wheel of torch first: a plain `torch` requirement would pull a multi-GB CUDA build
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The README's test command: the whole suite, multi-process and DeepSpeed tests included.
+test: $(STAMP)
+	$(PY) -m pytest -q -rs --durations=15 tests
+
+# The quick suite: no multi-process, DeepSpeed or slow learning tests.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -rs -m slow tests
+
+# The main job on an embedded default: train the tiny offline model on the toy task with each algorithm.
+demo: $(STAMP)
+	$(PY) -m trl_ppo_variants.demo $(if $(ALGO),--algo $(ALGO),)
+
+bench: $(STAMP)
+	$(PY) bench/bench_trainers.py
+
+clean:
+	rm -rf $(VENV) demo_output .pytest_cache
