@@ -6,7 +6,9 @@ Layout convention (TRL's): the `G` completions of one prompt are consecutive row
 Failure semantics shared by every estimator:
 - a NaN reward (a reward function returned None for that completion) gives that row advantage 0 and is left out of
   every baseline and every normalisation statistic;
-- a group whose rewards are all equal gives advantage 0 (never NaN): it carries no ranking signal.
+- a group whose rewards are all equal gives advantage 0 (never NaN): it carries no ranking signal. The REINFORCE++
+  estimators then whiten over the whole batch (the paper's Eq. 6 and 8): such a group is 0 before that step and
+  receives the batch-wide shift `-mean / std` after it (0 when every group is all-equal).
 """
 
 from __future__ import annotations
@@ -41,15 +43,26 @@ def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return x.view(-1, group_size)
 
 
-def _nan_std(x: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
-    """Sample (Bessel-corrected) standard deviation ignoring NaNs; NaN where fewer than 2 values are finite."""
-    dims = dim if dim is not None else tuple(range(x.dim()))
-    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
-    mean = torch.nanmean(x, dim=dims, keepdim=True)
-    sq = torch.nansum((x - mean) ** 2, dim=dims, keepdim=True)
-    var = torch.where(count > 1, sq / (count - 1).clamp(min=1), torch.full_like(sq, float("nan")))
-    std = var.sqrt()
-    return std if keepdim else std.squeeze(dims) if dim is not None else std.reshape(())
+def _nan_std(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """Sample (Bessel-corrected) standard deviation ignoring NaNs; NaN where fewer than 2 values are finite.
+
+    The operations are ordered as in `trl.trainer.utils.nanstd` (mean of squares, then the `n / (n - 1)` factor), so
+    that `grpo_advantages` reproduces `GRPOTrainer` bit for bit rather than to a few ulps.
+
+    Args:
+        x: any shape.
+        dim: the dimension to reduce, or None for all of them.
+    Returns:
+        `x` reduced over `dim` (kept as size 1 when `keepdim`), a 0-dim tensor when `dim` is None and not `keepdim`.
+    """
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    factor = torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
+    std = (var * factor).sqrt()
+    if keepdim:
+        return std
+    return std.reshape(()) if dim is None else std.squeeze(dim)
 
 
 def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
@@ -117,13 +130,23 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor, group_
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `x` over the entries where `mask` is 1 (0 when there are none)."""
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    """Mean of `x` over the entries where `mask` is 1 (0 when there are none); masked entries may hold NaN/inf.
+
+    Args:
+        x: any shape; mask: same shape.
+    Returns:
+        0-dim tensor.
+    """
+    valid = mask.bool()
+    total = torch.where(valid, x, torch.zeros_like(x)).sum()
+    return total / valid.sum().clamp(min=1).to(x.dtype)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """`(x - mean) * rsqrt(var + eps)` with the mean and the unbiased variance over the valid entries; 0 where masked.
+
+    Values at masked positions (padding, even NaN/inf) never enter the statistics. With a single valid entry the
+    variance is taken as 0 (the entry centres to 0 anyway); with none, the result is all zeros.
 
     Args:
         x: any shape, e.g. (N, T).
@@ -131,11 +154,11 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     Returns:
         same shape as `x`.
     """
-    m = mask.to(x.dtype)
-    count = m.sum()
-    mean = (x * m).sum() / count.clamp(min=1.0)
-    centered = (x - mean) * m
-    var = (centered**2).sum() / (count - 1).clamp(min=1.0)  # Bessel; a single valid entry centres to 0 anyway
+    valid = mask.bool()
+    count = valid.sum().to(x.dtype)
+    mean = torch.where(valid, x, torch.zeros_like(x)).sum() / count.clamp(min=1.0)
+    centered = torch.where(valid, x - mean, torch.zeros_like(x))
+    var = (centered**2).sum() / (count - 1).clamp(min=1.0)  # Bessel
     return centered * torch.rsqrt(var + eps)
 
 
@@ -175,7 +198,8 @@ def token_rewards_from_outcome(
     m = mask.to(torch.float32)
     token_rewards = torch.zeros_like(m)
     if kl is not None and kl_coef != 0.0:
-        token_rewards = token_rewards - kl_coef * kl.to(torch.float32) * m
+        # where, not a product: a NaN/inf at a padding position must not leak into the row
+        token_rewards = torch.where(mask.bool(), -kl_coef * kl.to(torch.float32), token_rewards)
     finite = torch.nan_to_num(rewards.to(torch.float32), nan=0.0)
     has_token = m.sum(dim=1) > 0
     rows = torch.arange(m.shape[0], device=m.device)[has_token]
@@ -186,8 +210,11 @@ def token_rewards_from_outcome(
 
 def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{t' >= t, valid} gamma^(#valid steps between) r_t'; masked positions are skipped, not zeroed into."""
+    valid_all = mask.bool()
     if gamma == 1.0:  # reverse cumulative sum, no loop
-        return torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [1]), 1), [1]) * mask
+        clean = torch.where(valid_all, token_rewards, torch.zeros_like(token_rewards))
+        returns = torch.flip(torch.cumsum(torch.flip(clean, [1]), 1), [1])
+        return torch.where(valid_all, returns, torch.zeros_like(returns))
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
@@ -207,7 +234,9 @@ def reinforce_pp_advantages(
     """REINFORCE++ advantages (arXiv 2501.03262, Eq. 4-6).
 
     Token rewards `-kl_coef * kl_t` (+ the outcome reward at the last valid token), returns
-    `G_t = sum_{t' >= t} gamma^(t'-t) r_t'`, then `masked_whiten` over all valid tokens of the batch.
+    `G_t = sum_{t' >= t} gamma^(t'-t) r_t'`, then `masked_whiten` over all valid tokens of the batch. With gamma = 1
+    (the paper's setting) `G_t = r - kl_coef * sum_{t' >= t} kl_t'`, Eq. 4-5. Masked positions inside a row (tool
+    output, `tool_mask`) are skipped: they carry no reward and do not count as a discount step.
 
     Args:
         rewards: (N,) outcome rewards, NaN for unscorable rows (advantage 0, excluded from whitening).
@@ -226,9 +255,11 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, mask: torch.Tensor, 
     """REINFORCE++-baseline advantages (arXiv 2501.03262, Eq. 7-8).
 
     `r_i - mean_group` broadcast to the valid tokens of row i, then `masked_whiten` over all valid tokens of the batch.
+    The whitening statistics are token-weighted (a long completion counts once per token), as in the paper's
+    `mean/std over A in D_batch` of token-level advantages.
 
     Args:
-        rewards: (N,), NaN for unscorable rows.
+        rewards: (N,), NaN for unscorable rows (advantage 0, excluded from the group mean and the whitening).
         mask: (N, T)
     Returns:
         (N, T), 0 on masked positions.
@@ -278,7 +309,7 @@ def gae(
         next_adv = torch.where(valid, adv_t, next_adv)
         next_value = torch.where(valid, vals[:, t], next_value)
         advantages[:, t] = torch.where(valid, adv_t, torch.zeros_like(adv_t))
-    returns = (advantages + vals) * m
+    returns = torch.where(m.bool(), advantages + vals, torch.zeros_like(vals))
     return advantages, returns
 
 

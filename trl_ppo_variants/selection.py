@@ -1,7 +1,8 @@
 """The one "keep some rows after scoring" step, shared by DAPO's dynamic sampling and TTRL's vote/train split.
 
 Two layers:
-- pure functions on gathered (global) tensors that decide *which* rows to keep (`group_spread_mask`, ...);
+- pure functions on gathered (global) tensors that decide *which* rows to keep (`group_spread_mask`, `group_rows`,
+  `group_multiple`, `exhausted_group_count`);
 - `gather_rollout` / `concat_rollouts` / `localize_rollout`, which move a rollout batch (the dict TRL's
   `_generate_and_score_completions` returns) between the per-process view and the global view, so that selection is
   done once on the global batch and every process ends with the same number of rows (TRL's collectives hang when
@@ -9,10 +10,13 @@ Two layers:
 
 A rollout dict holds per-row tensors whose first dimension is the local batch size B. Prompt-aligned tensors are
 left-padded, completion-aligned tensors right-padded; both are re-padded when batches are joined and re-trimmed when
-rows are handed back to a process.
+rows are handed back to a process. Any other per-row tensor of two or more dimensions is refused (its alignment is
+unknown, so padding it would silently corrupt it).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -24,26 +28,46 @@ COMPLETION_KEYS = (
     "old_per_token_logps",
     "ref_per_token_logps",
     "sampling_per_token_logps",
-    "importance_sampling_ratio",
+    "importance_sampling_ratio",  # (B, T), or (B, 1) for sequence-level importance sampling: never re-padded then
     "tool_mask",
     "kl_in_reward",
+    "advantages",  # (B,) in TRL; (B, T) for token-level estimators
+    "old_values",  # PPO/VAPO: the critic's rollout-time values, (B, T)
+    "returns",  # PPO/VAPO: value targets, (B, T)
+    "value_mask",  # PPO/VAPO: tokens with a value target, (B, T)
 )
-UNSUPPORTED_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "num_images", "image_sizes")
+# Multimodal entries are not row-aligned (pixel_values is per patch) or span prompt and completion (token_type_ids).
+UNSUPPORTED_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_attention_mask",
+    "num_images",
+    "image_sizes",
+    "spatial_shapes",
+    "num_tiles",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 # ----------------------------------------------------------------------------------------------- pure decisions
 def group_spread_mask(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Which groups have a reward spread: sample std over the group's finite rewards > eps.
 
-    Compared against `eps`, not `== 0`: float noise in summed rewards passes an exact test. A group with fewer than
-    two finite rewards has no spread.
+    DAPO's dynamic-sampling filter (arXiv 2503.14476, Eq. 11: keep groups with 0 < #correct < G). Compared against
+    `eps`, not `== 0`: float noise in summed rewards passes an exact test. A group with fewer than two finite rewards
+    has no spread.
 
     Args:
-        rewards: (N,) NaN for unscorable rows.
+        rewards: (N,) NaN for unscorable rows; N a multiple of `group_size`.
     Returns:
         (N // G,) bool.
     """
-    grouped = rewards.view(-1, group_size)
+    if rewards.dim() != 1 or rewards.shape[0] % group_size != 0:
+        raise ValueError(
+            f"rewards must be (N,) with N a multiple of group_size={group_size}, got {tuple(rewards.shape)}")
+    grouped = rewards.reshape(-1, group_size).double()  # float64: the std of near-equal floats is what is tested
     finite = ~torch.isnan(grouped)
     count = finite.sum(dim=1)
     mean = torch.nansum(grouped, dim=1) / count.clamp(min=1)
@@ -54,7 +78,31 @@ def group_spread_mask(rewards: torch.Tensor, group_size: int, eps: float = 1e-6)
 
 def group_rows(group_idx: torch.Tensor, group_size: int) -> torch.Tensor:
     """Row indices of the given groups, in order: (K,) -> (K * G,)."""
+    group_idx = group_idx.long()
     return (group_idx.unsqueeze(1) * group_size + torch.arange(group_size, device=group_idx.device)).reshape(-1)
+
+
+def group_multiple(group_size: int, num_processes: int, steps_per_generation: int = 1) -> int:
+    """Smallest number of groups m whose rows split evenly over the processes *and* then over TRL's
+    `steps_per_generation` slices (TRL's `split_tensor_dict` silently drops a remainder): `m * G` must be a multiple of
+    `num_processes * steps_per_generation`."""
+    unit = num_processes * steps_per_generation
+    return unit // math.gcd(group_size, unit)
+
+
+def exhausted_group_count(num_kept: int, multiple: int) -> tuple[int, int]:
+    """How many groups to train on when a batch could not be filled: `(num_real, num_pad)`.
+
+    The real groups are rounded *down* to a multiple of `multiple` (never duplicated, never invented). When that
+    leaves none, `multiple - num_kept` placeholder groups are padded in (trained with advantage 0: they only keep every
+    process's row count equal and the step alive), so `num_real + num_pad == multiple`.
+    """
+    if multiple < 1 or num_kept < 0:
+        raise ValueError(f"expected multiple >= 1 and num_kept >= 0, got {multiple} and {num_kept}")
+    num_real = (num_kept // multiple) * multiple
+    if num_real > 0:
+        return num_real, 0
+    return num_kept, multiple - num_kept
 
 
 # ----------------------------------------------------------------------------------------------- distributed moves
@@ -64,7 +112,14 @@ def _row_keys(output: dict, num_rows: int) -> list[str]:
             raise NotImplementedError(
                 f"row selection does not support multimodal rollouts yet (found '{key}' in the batch)"
             )
-    return [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == num_rows]
+    keys = [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == num_rows]
+    for key in keys:
+        if output[key].dim() >= 2 and key not in PROMPT_KEYS + COMPLETION_KEYS:
+            raise NotImplementedError(
+                f"row selection does not know how '{key}' is aligned (shape {tuple(output[key].shape)}); "
+                "add it to PROMPT_KEYS or COMPLETION_KEYS in trl_ppo_variants/selection.py"
+            )
+    return keys
 
 
 def _pad_value(key: str, pad_token_id: int):
@@ -81,24 +136,34 @@ def _pad_to(t: torch.Tensor, width: int, left: bool, value) -> torch.Tensor:
 def gather_rollout(accelerator, output: dict, num_rows: int, pad_token_id: int) -> dict:
     """Per-process rollout dict (B rows) -> global dict (B * num_processes rows, process order), same on every rank.
 
-    Widths are padded to the largest across processes before the gather (gathering unequal shapes hangs or returns
-    garbage on gloo). Non-row entries are dropped; `num_items_in_batch` is recomputed by `localize_rollout`.
+    Every rank must call it with the same keys and the same `num_rows`. Widths are padded to the largest across
+    processes before the gather (gathering unequal shapes hangs or returns garbage on gloo). Non-row entries are
+    dropped; `num_items_in_batch` is recomputed by `localize_rollout`.
     """
     keys = _row_keys(output, num_rows)
+    if accelerator.num_processes == 1:
+        return {key: output[key] for key in keys}
+    wide = [k for k in keys if output[k].dim() >= 2]
+    device = output[keys[0]].device if keys else None
+    widths = {}
+    if wide:  # one collective for all the widths
+        local = torch.tensor([output[k].shape[1] for k in wide], device=device, dtype=torch.long)
+        widths = dict(zip(wide, accelerator.gather(local).view(-1, len(wide)).max(dim=0).values.tolist()))
     result = {}
     for key in keys:
         t = output[key]
-        if t.dim() >= 2 and accelerator.num_processes > 1:
-            width = int(accelerator.gather(torch.tensor([t.shape[1]], device=t.device)).max().item())
-            t = _pad_to(t, width, left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id))
-        result[key] = accelerator.gather(t.contiguous()) if accelerator.num_processes > 1 else t
+        if key in widths:
+            t = _pad_to(t, int(widths[key]), left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id))
+        result[key] = accelerator.gather(t.contiguous())
     return result
 
 
 def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
-    """Join global rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right."""
+    """Join global rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right.
+
+    Keys missing from some of the rollouts are dropped (they cannot be filled in)."""
     if len(rollouts) == 1:
-        return rollouts[0]
+        return dict(rollouts[0])
     keys = [k for k in rollouts[0] if all(k in r for r in rollouts)]
     result = {}
     for key in keys:
@@ -110,34 +175,42 @@ def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
     return result
 
 
-def localize_rollout(accelerator, global_output: dict, keep: torch.Tensor) -> dict:
+def _round_up(n: int, multiple: int | None, limit: int) -> int:
+    if multiple:
+        n = -(-n // multiple) * multiple
+    return min(n, limit)
+
+
+def localize_rollout(
+    accelerator, global_output: dict, keep: torch.Tensor, pad_to_multiple_of: int | None = None
+) -> dict:
     """Keep the global rows `keep` (the same index tensor on every rank) and hand each process its contiguous share.
 
     `len(keep)` must be a multiple of the number of processes so that every rank gets the same row count. Padding
-    columns that no local row uses are trimmed, and `num_items_in_batch` (the global number of loss tokens, which
-    TRL's "dapo" loss divides by) is recomputed over the kept rows.
+    columns that no local row uses are trimmed (keeping widths a multiple of `pad_to_multiple_of` when given, as TRL
+    pads), and `num_items_in_batch` (the global number of loss tokens, which TRL's "dapo" loss divides by) is
+    recomputed over the kept rows.
     """
     world, rank = accelerator.num_processes, accelerator.process_index
     if keep.numel() % world != 0:
         raise ValueError(f"cannot split {keep.numel()} kept rows evenly over {world} processes")
     share = keep.numel() // world
-    local_idx = keep[rank * share : (rank + 1) * share]
-    kept = {key: value[keep] for key, value in global_output.items()}
+    num_rows = global_output["completion_mask"].shape[0]
+    kept = {key: value[keep] for key, value in global_output.items()  # non-row entries (a stale count) are dropped
+            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_rows}
     loss_mask = kept["completion_mask"] * kept["tool_mask"] if "tool_mask" in kept else kept["completion_mask"]
     out = {key: value[rank * share : (rank + 1) * share] for key, value in kept.items()}
-    del local_idx
-    # trim columns that are padding for every local row
-    if share > 0:
-        t_used = int(out["completion_mask"].sum(dim=0).nonzero().max().item()) + 1 if out["completion_mask"].any() else 1
-        p_used = out["prompt_mask"].shape[1] - (
-            int(out["prompt_mask"].sum(dim=0).nonzero().min().item()) if out["prompt_mask"].any() else 0
-        )
+    if share > 0:  # trim the columns that are padding for every local row
+        c_mask, p_mask = out["completion_mask"], out["prompt_mask"]
+        cols = c_mask.sum(dim=0).nonzero()
+        t_used = _round_up(int(cols.max().item()) + 1 if cols.numel() else 1, pad_to_multiple_of, c_mask.shape[1])
+        cols = p_mask.sum(dim=0).nonzero()
+        p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
+                           p_mask.shape[1])
         for key, value in out.items():
-            if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] > 1:
+            if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
                 out[key] = value[:, :t_used]
             elif value.dim() >= 2 and key in PROMPT_KEYS:
                 out[key] = value[:, value.shape[1] - p_used :]
-            elif key == "advantages" and value.dim() == 2:
-                out[key] = value[:, :t_used]
     out["num_items_in_batch"] = loss_mask.sum()
     return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import selection
+from .. import checkpointing, guards, selection
 from ..advantages import KL_KINDS, kl_estimate
 
 # Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
@@ -32,6 +32,12 @@ TRL_PRIVATE_API = {
     "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
     "_prepare_inputs": ("self", "generation_batch"),
+    "_save_checkpoint": ("self", "model", "trial"),
+    "_load_optimizer_and_scheduler": ("self", "checkpoint"),
+    "_get_train_sampler": ("self", "dataset"),
+    "_generate": ("self", "prompts"),  # ReMax
+    "_save": ("self", "output_dir", "state_dict"),  # PPO (value model)
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # PPO (value model)
 }
 
 
@@ -70,18 +76,25 @@ class VariantConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        super().__post_init__()
+        # Our checks run before GRPOConfig's so that the user gets the one-line message naming the field (GRPOConfig
+        # rejects num_generations < 2 with a message that does not name it).
+        check(isinstance(self.num_generations, int) and self.num_generations >= 2, "num_generations",
+              "an integer >= 2 (a group baseline needs siblings)", self.num_generations)
         check(self.kl_in_reward_coef >= 0, "kl_in_reward_coef", "a number >= 0", self.kl_in_reward_coef)
         check(self.beta >= 0, "beta", "a number >= 0", self.beta)
         check(self.kl_in_reward_estimator in KL_KINDS, "kl_in_reward_estimator", f"one of {KL_KINDS}",
               self.kl_in_reward_estimator)
         check(self.kl_loss_estimator in KL_KINDS, "kl_loss_estimator", f"one of {KL_KINDS}", self.kl_loss_estimator)
-        check(self.num_generations is None or self.num_generations >= 2, "num_generations",
-              "an integer >= 2 (a group baseline needs siblings)", self.num_generations)
         check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
         check(self.epsilon >= 0, "epsilon", "a number >= 0", self.epsilon)
         if self.epsilon_high is not None:
             check(self.epsilon_high >= 0, "epsilon_high", "a number >= 0", self.epsilon_high)
+        # Our estimators work on the weighted sum of the reward functions; GRPO's per-function normalisation would
+        # otherwise be silently ignored.
+        check(self.multi_objective_aggregation == "sum_then_normalize", "multi_objective_aggregation",
+              "'sum_then_normalize' (the estimators of this package take the weighted sum of the rewards)",
+              self.multi_objective_aggregation)
+        guards.post_init(self, super().__post_init__)  # TRL's checks (batch errors restated in one line) + shared
 
 
 class VariantTrainer(GRPOTrainer):
@@ -115,6 +128,7 @@ class VariantTrainer(GRPOTrainer):
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.beta = 1.0 if self.needs_reference else 0.0
+        guards.check_model_limits(self)
 
     # -------------------------------------------------------------------------------------------- hooks
     def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
@@ -124,6 +138,39 @@ class VariantTrainer(GRPOTrainer):
 
     #: set by estimators that need per-token tensors of the whole batch (masks, log-probs) to compute advantages
     needs_global_batch = False
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card would name GRPO and its paper; ours names this algorithm (see `model_card.py`)."""
+        from ..model_card import create_model_card
+
+        create_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
+
+    def extra_state(self) -> dict:
+        """State of a subclass saved with every checkpoint (per process) and given back to `load_extra_state` on
+        resume, e.g. a refill sampler's position or a pre-training counter. Values: tensors and Python containers."""
+        return {}
+
+    def load_extra_state(self, state: dict) -> None:
+        """Restore what `extra_state` returned (an empty dict for checkpoints written without it)."""
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, model, trial):
+        # atomic (completion marker) and complete (generation buffer, `_step`, extra state): see checkpointing.py
+        checkpointing.save_checkpoint(self, model, trial, super()._save_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            checkpointing.load_trainer_state(self, checkpoint)
+
+    def _get_train_sampler(self, dataset=None):
+        # TRL's shuffle of epoch e depends on the passes already made: a resumed run would replay epoch 0's order
+        return checkpointing.resumable_sampler(super()._get_train_sampler(dataset), self)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # True must skip a checkpoint left half-written by a killed run (transformers picks the highest number)
+        resume_from_checkpoint = checkpointing.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def select_rows(self, rewards_per_func: torch.Tensor, group_size: int, inputs: list) -> torch.Tensor | None:
         """Global row indices to keep (the same on every rank), or None to keep every row."""
@@ -135,7 +182,14 @@ class VariantTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------- the seam
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        guard = guards.RewardGuard(self, prompts)  # a raising/wrong-length function: one-line error on every rank
+        funcs, self.reward_funcs = self.reward_funcs, guard.wrap(self.reward_funcs)
+        try:
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        finally:
+            self.reward_funcs = funcs
+        guard.raise_if_failed()
+        rewards_per_func = guards.contain_non_finite(self, rewards_per_func)  # +-inf -> NaN (advantage 0), counted
         self._captured_rewards_per_func = rewards_per_func
         return rewards_per_func
 
@@ -179,8 +233,15 @@ class VariantTrainer(GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        per_token_kl = kl_estimate(self._captured_logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
+        logps = self._captured_logps
         self._captured_logps = None
+        per_token_kl = kl_estimate(logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
+        if self.args.use_bias_correction_kl:  # as TRL does for its k3 term: weight by the (differentiable) IS ratio
+            old = inputs.get("old_per_token_logps")
+            log_ratio = logps - (logps.detach() if old is None else old)
+            if self.importance_sampling_level == "sequence":
+                log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+            per_token_kl = per_token_kl * torch.exp(log_ratio)
         mode = "train" if self.model.training else "eval"
         value = aggregate_token_loss(
             per_token_kl,
@@ -201,11 +262,17 @@ class VariantTrainer(GRPOTrainer):
     def reference_kl(self, output: dict) -> torch.Tensor | None:
         """Per-token KL(pi_old || ref) with `kl_in_reward_estimator`, for KL-in-reward estimators. Local (B, T).
 
-        Uses the sampling-time policy log-probs; TRL skips computing them when generation and optimisation are
-        aligned (then they equal the current policy's), so they are computed here in that case, without grad.
+        Uses the sampling-time policy log-probs (REINFORCE++ Eq. 5 and RLOO take the KL of the policy that sampled).
+        TRL skips computing them when generation and optimisation are aligned (then they equal the current
+        policy's), so they are computed here in that case, without grad. Returns the KL times the loss mask
+        (`completion_mask`, times `tool_mask` when present: tool output is not sampled by the policy), or None when
+        `kl_in_reward_coef == 0`.
         """
         if self.kl_in_reward_coef == 0.0:
             return None
+        for key in selection.UNSUPPORTED_KEYS:
+            if key in output:
+                raise NotImplementedError(f"KL in the reward does not support multimodal rollouts yet ('{key}')")
         old = output.get("old_per_token_logps")
         if old is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -218,10 +285,13 @@ class VariantTrainer(GRPOTrainer):
                 )
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
         mask = output["completion_mask"]
+        if "tool_mask" in output:
+            mask = mask * output["tool_mask"]
+        kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         mode = "train" if self.model.training else "eval"
-        stats = self.accelerator.reduce(torch.stack([(kl * mask).sum(), mask.sum().float()]), reduction="sum")
+        stats = self.accelerator.reduce(torch.stack([kl.sum(), mask.sum().float()]), reduction="sum")
         self._metrics[mode]["kl_in_reward"].append((stats[0] / stats[1].clamp(min=1.0)).item())
-        return kl * mask
+        return kl
 
     def _replace_advantages(self, output: dict, inputs: list) -> dict:
         mode = "train" if self.model.training else "eval"
@@ -260,21 +330,33 @@ class VariantTrainer(GRPOTrainer):
             if local.dim() == 2:
                 local = local[:, : output["completion_mask"].shape[1]]
             output["advantages"] = local
-        self._log_advantages(advantages, num_logged, keep)
+        loss_mask = None
+        if global_batch is not None and "completion_mask" in global_batch:
+            loss_mask = global_batch["completion_mask"]
+            if "tool_mask" in global_batch:
+                loss_mask = loss_mask * global_batch["tool_mask"]
+        self._log_advantages(advantages, num_logged, keep, loss_mask)
         return output
 
-    def _log_advantages(self, advantages: torch.Tensor, num_logged: int, keep: torch.Tensor | None):
-        """Put this algorithm's advantages (per-sequence mean for token-level ones) in the completions table."""
+    def _log_advantages(
+        self, advantages: torch.Tensor, num_logged: int, keep: torch.Tensor | None, mask: torch.Tensor | None = None
+    ):
+        """Put this algorithm's advantages (per-sequence mean over the loss tokens for token-level ones) in the
+        completions table. `mask` (N, T) marks the loss tokens of the (kept) global rows."""
         per_row = advantages
         if per_row.dim() == 2:
-            nonzero = (per_row != 0).sum(dim=1).clamp(min=1)
-            per_row = per_row.sum(dim=1) / nonzero
+            if mask is None or mask.shape != per_row.shape:
+                mask = per_row != 0
+            valid = mask.bool()
+            per_row = torch.where(valid, per_row, torch.zeros_like(per_row)).sum(dim=1) / valid.sum(dim=1).clamp(min=1)
         if keep is not None:  # dropped rows show NaN: they were generated and scored but not trained on
             full = torch.full((num_logged,), float("nan"), device=per_row.device)
             full[keep] = per_row
             per_row = full
         logged = self._logs["advantages"]
-        if len(logged) >= num_logged:
-            for _ in range(num_logged):
-                logged.pop()
-            logged.extend(per_row.tolist())
+        # the table keeps the last `generation_batch_size` rows: after several generation rounds (DAPO) it holds only
+        # the newest of the `num_logged` rows, which are the last ones of `per_row`
+        count = min(num_logged, len(logged))
+        for _ in range(count):
+            logged.pop()
+        logged.extend(per_row[num_logged - count :].tolist())

@@ -16,17 +16,40 @@ class RLOOConfig(VariantConfig):
     Configuration for [`RLOOTrainer`]: [`~trl.GRPOConfig`] with RLOO's fields, named and defaulted as in
     `trl.RLOOConfig` so that moving from TRL's RLOO keeps the behaviour.
 
+    The policy loss is `GRPOTrainer`'s. Its defaults here, `loss_type="luspo"` with
+    `importance_sampling_level="sequence"`, make the on-policy gradient exactly `trl.RLOOTrainer`'s (and the paper's
+    estimator `-1/N sum_i A_i grad log pi(y_i|x)`, summed over the tokens of each completion, not averaged): TRL's RLOO
+    loss is `-mean_i min(R_i A_i, clip(R_i) A_i)` with the sequence ratio `R_i = pi(y_i)/pi_old(y_i)`; ours weights each
+    sequence by its length and uses the length-normalised (geometric-mean) ratio, which has the same gradient at
+    ratio 1. Off-policy (`num_iterations > 1`) the clipping differs: TRL clips the product of token ratios, which
+    clips almost every long completion. The loss *values* differ on-policy: TRL's is `-mean_i A_i`, identically 0
+    because leave-one-out advantages sum to 0 per group; ours is `-mean_i |y_i| A_i`. Any other `loss_type` works
+    (e.g. "dapo": the same gradient direction scaled by `N / num_tokens`).
+    `scale_rewards` and `multi_objective_aggregation` (GRPO's) are not used: RLOO's scaling is `normalize_advantages`.
+
     Parameters:
+        loss_type (`str`, *optional*, defaults to `"luspo"`):
+            As in [`~trl.GRPOConfig`]; see above for why the default matches `trl.RLOOTrainer`.
+        importance_sampling_level (`str`, *optional*, defaults to `"sequence"`):
+            As in [`~trl.GRPOConfig`]: one ratio per completion, as `trl.RLOOTrainer`.
         beta (`float`, *optional*, defaults to `0.05`):
             As in `trl.RLOOConfig`: coefficient of the sequence-level KL penalty `beta * sum_t k1_t` subtracted from
             each completion's reward before the leave-one-out baseline (the paper's KL-in-reward). It is *not* a loss
-            term here (unlike `GRPOConfig.beta`). `0.0` skips the reference model.
+            term here (unlike `GRPOConfig.beta`). `0.0` skips the reference model. `kl_in_reward_coef` mirrors it
+            (leave it unset); `kl_in_reward_estimator` (default `"k1"`, TRL's) selects the per-token estimator.
         normalize_advantages (`bool`, *optional*, defaults to `False`):
             Standardise the advantages over the whole generation batch (as `trl.RLOOConfig`).
         reward_clip_range (`tuple[float, float]`, *optional*):
             Clip the total reward to (min, max) before the baseline (as `trl.RLOOConfig`).
     """
 
+    loss_type: str = field(
+        default="luspo",
+        metadata={"help": "GRPOTrainer's loss type; 'luspo' gives trl.RLOOTrainer's on-policy gradient."},
+    )
+    importance_sampling_level: str = field(
+        default="sequence", metadata={"help": "'token' or 'sequence' (one ratio per completion, as trl.RLOOTrainer)."}
+    )
     beta: float = field(
         default=0.05,
         metadata={"help": "Coefficient of the summed k1 KL subtracted from the reward (trl.RLOOConfig semantics)."},
@@ -39,10 +62,15 @@ class RLOOConfig(VariantConfig):
     )
 
     def __post_init__(self):
-        super().__post_init__()
         # beta is the KL-in-reward coefficient here (trl.RLOOConfig); the loss gets no KL term
+        check(self.beta >= 0, "beta", "a number >= 0", self.beta)
+        check(self.num_generations_eval is None or self.num_generations_eval >= 2, "num_generations_eval",
+              "None or an integer >= 2 (the leave-one-out baseline needs siblings)", self.num_generations_eval)
+        check(self.kl_in_reward_coef in (0.0, self.beta), "kl_in_reward_coef",
+              f"unset (RLOO's KL-in-reward coefficient is `beta`, here {self.beta}, as in trl.RLOOConfig)",
+              self.kl_in_reward_coef)
         self.kl_in_reward_coef = self.beta
-        self.kl_in_reward_estimator = "k1"
+        super().__post_init__()
         if self.reward_clip_range is not None:
             check(len(self.reward_clip_range) == 2 and self.reward_clip_range[0] <= self.reward_clip_range[1],
                   "reward_clip_range", "(min, max) with min <= max", self.reward_clip_range)
@@ -61,6 +89,7 @@ class RLOOTrainer(VariantTrainer):
         if not isinstance(args, RLOOConfig):
             raise TypeError(f"args: expected an RLOOConfig, got {type(args).__name__}")
         beta = args.beta
+        args.kl_in_reward_coef = beta  # follows `beta` even if it was changed after the config was built
         args.beta = 0.0  # the KL goes into the reward (kl_in_reward_coef), not the loss
         try:
             super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -75,8 +104,12 @@ class RLOOTrainer(VariantTrainer):
             rewards = rewards - self.kl_in_reward_coef * batch["kl_in_reward"].sum(dim=1)
         advantages = rloo_advantages(rewards, group_size)
         if self.args.normalize_advantages:
-            scorable = ~torch.isnan(rewards)
-            a = advantages[scorable]
+            # statistics over the rows that have a leave-one-out baseline, as trl.RLOOTrainer (its other rows are NaN)
+            grouped = rewards.view(-1, group_size)
+            count = (~torch.isnan(grouped)).sum(dim=1, keepdim=True).expand_as(grouped).reshape(-1)
+            has_baseline = ~torch.isnan(rewards) & (count >= 2)
+            a = advantages[has_baseline]
             if a.numel() > 1:
-                advantages = torch.where(scorable, (advantages - a.mean()) / (a.std() + 1e-4), advantages)
+                normalized = (advantages - a.mean()) / (a.std() + 1e-4)
+                advantages = torch.where(has_baseline, normalized, torch.zeros_like(advantages))
         return advantages

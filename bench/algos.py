@@ -1,0 +1,230 @@
+"""What the benchmarks run: one registry of the trainers compared (TRL's own and this package's), and the meters
+that both the CPU suite (`bench/suite.py`) and the GPU run (`bench/gpu_bench.py`) attach to a trainer.
+
+A trainer whose module does not exist yet (or fails to import) is reported as skipped with the reason; nothing here
+assumes that every algorithm of the package is present.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+
+# Step-time ratio targets to GRPO with the same settings, from the trainer issues (see `Algo.target`).
+TOLERANCE = 1.05
+
+
+@dataclass
+class Algo:
+    """One benchmarked configuration.
+
+    `overrides(G)` gives the config fields set on top of the shared settings (G = the shared group size); `baseline`
+    names the row the ratios are taken against; `target` is one of None, "time" (step time <= 1.05x), "remax"
+    (<= (1 + 1/G)x + 5%), "per_gen_token" (cost per generated token <= 1.05x), "value" (<= 1.8x time and 1.6x memory).
+    """
+
+    name: str
+    label: str
+    module: str
+    config: str
+    trainer: str
+    overrides: callable = field(default=lambda g: {})
+    baseline: str = "grpo"
+    target: str | None = None
+    reward: str = "addition"  # "addition": the toy task's reward; "own": the trainer brings its reward (TTRL)
+    group_size: callable = field(default=lambda g: g)  # generations per prompt (TTRL: n_votes)
+    batch_scale: int = 1  # generated rows per step relative to the shared batch (TTRL n_votes = 2 n_train: 2)
+
+    def load(self):
+        """(ConfigCls, TrainerCls); raises `MissingTrainer` with a one-line reason when not available."""
+        try:
+            mod = importlib.import_module(self.module)
+        except ModuleNotFoundError as e:
+            if e.name and (e.name == self.module or self.module.startswith(e.name + ".")):
+                raise MissingTrainer(f"{self.module.replace('.', '/')}.py does not exist yet") from None
+            raise MissingTrainer(f"import of {self.module} failed: {e}") from None
+        except Exception as e:  # a trainer being written may not import yet
+            raise MissingTrainer(f"import of {self.module} failed: {type(e).__name__}: {e}") from None
+        try:
+            return getattr(mod, self.config), getattr(mod, self.trainer)
+        except AttributeError as e:
+            raise MissingTrainer(f"{self.module} has no {e.name}") from None
+
+
+class MissingTrainer(Exception):
+    pass
+
+
+_OURS = "trl_ppo_variants.trainers."
+_NO_REF = {"beta": 0.0, "kl_in_reward_coef": 0.0}  # same beta as the GRPO row: no reference model anywhere
+
+ALGOS = [
+    Algo("grpo", "GRPO (TRL)", "trl", "GRPOConfig", "GRPOTrainer", lambda g: {"beta": 0.0}),
+    Algo("trl_rloo", "RLOO (TRL)", "trl", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.0}),
+    Algo("rloo", "RLOO", _OURS + "rloo", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.0}, target="time"),
+    Algo("remax", "ReMax", _OURS + "remax", "ReMaxConfig", "ReMaxTrainer", lambda g: dict(_NO_REF), target="remax"),
+    Algo("reinforce_pp", "REINFORCE++", _OURS + "reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
+         lambda g: dict(_NO_REF), target="time"),
+    Algo("reinforce_pp_baseline", "REINFORCE++-baseline", _OURS + "reinforce_pp", "ReinforcePPConfig",
+         "ReinforcePPTrainer", lambda g: dict(_NO_REF, baseline=True), target="time"),
+    Algo("dapo", "DAPO", _OURS + "dapo", "DAPOConfig", "DAPOTrainer",
+         lambda g: {"beta": 0.0, "max_generation_rounds": 8}, target="per_gen_token"),
+    Algo("ppo", "PPO", _OURS + "ppo", "PPOConfig", "PPOTrainer", lambda g: dict(_NO_REF), target="value"),
+    Algo("vapo", "VAPO", _OURS + "vapo", "VAPOConfig", "VAPOTrainer",
+         lambda g: dict(_NO_REF, value_pretrain_steps=1), target="value"),
+    Algo("ttrl", "TTRL (n_votes = G)", _OURS + "ttrl", "TTRLConfig", "TTRLTrainer",
+         lambda g: {"beta": 0.0, "n_votes": g, "n_train": g}, target="time", reward="own"),
+    Algo("ttrl_2x", "TTRL (n_votes = 2 n_train)", _OURS + "ttrl", "TTRLConfig", "TTRLTrainer",
+         lambda g: {"beta": 0.0, "n_votes": 2 * g, "n_train": g}, reward="own",
+         group_size=lambda g: 2 * g, batch_scale=2),
+]
+
+# The same comparison with a reference model loaded (KL to the reference): each row against GRPO with `beta` = 0.04.
+KL = 0.04
+ALGOS_REF = [
+    Algo("grpo_ref", "GRPO (TRL), beta=0.04", "trl", "GRPOConfig", "GRPOTrainer", lambda g: {"beta": KL},
+         baseline="grpo_ref"),
+    Algo("trl_rloo_ref", "RLOO (TRL), beta=0.04", "trl", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": KL},
+         baseline="grpo_ref"),
+    Algo("rloo_ref", "RLOO, beta=0.04", _OURS + "rloo", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": KL},
+         baseline="grpo_ref", target="time"),
+    Algo("reinforce_pp_ref", "REINFORCE++, KL in reward 0.04", _OURS + "reinforce_pp", "ReinforcePPConfig",
+         "ReinforcePPTrainer", lambda g: {"beta": 0.0, "kl_in_reward_coef": KL}, baseline="grpo_ref", target="time"),
+    Algo("reinforce_pp_baseline_ref", "REINFORCE++-baseline, k2 beta=0.04", _OURS + "reinforce_pp",
+         "ReinforcePPConfig", "ReinforcePPTrainer", lambda g: {"beta": KL, "kl_in_reward_coef": 0.0, "baseline": True},
+         baseline="grpo_ref", target="time"),
+]
+
+ALL = {a.name: a for a in ALGOS + ALGOS_REF}
+
+
+def target_check(algo: Algo, row: dict, group_size: int) -> tuple[str, str]:
+    """("PASS" | "MISS" | "", the target in words) for a result row holding the ratios."""
+    t = row.get("time_ratio")
+    if algo.target is None or t is None:
+        return "", ""
+    if algo.target == "time":
+        return ("PASS" if t <= TOLERANCE else "MISS"), f"time <= {TOLERANCE:.2f}x"
+    if algo.target == "remax":
+        bound = 1 + 1 / group_size + 0.05
+        return ("PASS" if t <= bound else "MISS"), f"time <= (1 + 1/G) + 5% = {bound:.2f}x"
+    if algo.target == "per_gen_token":
+        r = row.get("per_gen_token_ratio")
+        if r is None:
+            return "", ""
+        return ("PASS" if r <= TOLERANCE else "MISS"), f"time per generated token <= {TOLERANCE:.2f}x"
+    if algo.target == "value":
+        m = row.get("mem_ratio")
+        ok = t <= 1.8 and (m is None or m <= 1.6)
+        words = "time <= 1.8x, memory <= 1.6x" + ("" if m is not None else " (memory not measured)")
+        return ("PASS" if ok else "MISS"), words
+    raise ValueError(f"target: unknown kind {algo.target!r}")
+
+
+# ------------------------------------------------------------------------------------------------ meters
+class Meter:
+    """Counts what a trainer does, by wrapping three of its (TRL) methods on the instance.
+
+    - generation: every `_generate_single_turn` call (a "round": DAPO refills, ReMax's greedy pass) and the completion
+      tokens it returned, with its time;
+    - rollout: `_generate_and_score_completions` (generation + rewards + reference/old log-probs + advantages);
+    - training: the completion tokens that reached `_compute_loss` (`completion_mask` summed).
+    `sync` (e.g. `torch.cuda.synchronize`) makes the timings exact on an asynchronous device.
+    """
+
+    def __init__(self, trainer, sync=None):
+        self.sync = sync or (lambda: None)
+        self.gen_calls = 0
+        self.gen_tokens = 0
+        self.gen_time = 0.0
+        self.rollout_calls = 0
+        self.rollout_time = 0.0
+        self.trained_tokens = 0
+        self._wrap(trainer)
+
+    def _clock(self):
+        self.sync()
+        return time.perf_counter()
+
+    def _wrap(self, trainer):
+        gen = trainer._generate_single_turn
+        rollout = trainer._generate_and_score_completions
+        loss = trainer._compute_loss
+
+        def generate_single_turn(*args, **kwargs):
+            t0 = self._clock()
+            out = gen(*args, **kwargs)
+            self.gen_time += self._clock() - t0
+            ids = out[0] if isinstance(out, tuple) else out  # TRL's GRPO returns (ids, logprobs), its RLOO ids
+            self.gen_calls += 1
+            self.gen_tokens += int(sum(len(x) for x in ids))
+            return out
+
+        def generate_and_score_completions(*args, **kwargs):
+            t0 = self._clock()
+            out = rollout(*args, **kwargs)
+            self.rollout_time += self._clock() - t0
+            self.rollout_calls += 1
+            return out
+
+        def compute_loss(model, inputs, *args, **kwargs):
+            self.trained_tokens += int(inputs["completion_mask"].sum().item())
+            return loss(model, inputs, *args, **kwargs)
+
+        trainer._generate_single_turn = generate_single_turn
+        trainer._generate_and_score_completions = generate_and_score_completions
+        trainer._compute_loss = compute_loss
+
+    def snapshot(self) -> dict:
+        return {k: getattr(self, k) for k in
+                ("gen_calls", "gen_tokens", "gen_time", "rollout_calls", "rollout_time", "trained_tokens")}
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {k: after[k] - before[k] for k in after}
+
+
+def machine_description() -> dict:
+    """CPU model, cores, library versions and the date, for the results files."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import trl
+
+        trl_version = trl.__version__
+    except Exception:
+        trl_version = None
+    desc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl_version,
+        "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):
+        desc["load_average_1min"] = round(os.getloadavg()[0], 2)
+    if torch.cuda.is_available():
+        desc["gpu"] = torch.cuda.get_device_name(0)
+        desc["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        desc["cuda"] = torch.version.cuda
+    return desc

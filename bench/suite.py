@@ -1,0 +1,539 @@
+"""The benchmark suite (`make bench`): every trainer of the package against TRL's `GRPOTrainer` (and TRL's
+`RLOOTrainer` as a peer) on the tiny offline model and the toy addition task.
+
+What it measures, and how:
+
+* **Seconds per optimizer step**, all trainers in ONE process, interleaved step by step: each trainer's real
+  `Trainer.train()` runs in its own thread and a callback parks it after every optimizer step; a scheduler releases
+  one trainer at a time, round after round (rotating the order), so that machine drift (other jobs on the cores,
+  frequency changes) hits every trainer alike. A step is timed from its release to its `on_step_end` (so it holds
+  generation, scoring, advantages, the loss, the optimizer step and the previous step's logging). The ratio to GRPO is
+  the median over rounds of the paired per-round ratio, which cancels drift better than a ratio of medians.
+* **Peak memory (RSS)** cannot be told apart per trainer inside one process (one heap, one high-water mark), so each
+  configuration runs a few steps in a FRESH subprocess, one after the other: peak RSS (`VmHWM`) and the peak above
+  the process's RSS after its imports (the part the trainer itself adds: models, optimizer states, activations).
+  The memory runs use a somewhat larger model (hidden 256, 4 layers by default) so that the part the trainer adds is
+  not lost in the ~0.5 GB of the interpreter and libraries; the ratio is taken on that part.
+* For DAPO: generated tokens per trained token, generation rounds per step, and the step time per generated token
+  (its target). For TTRL: `n_votes = G` (its target) and `n_votes = 2 n_train` (cost of extra votes).
+* Reward curves (the logged mean reward per step) and the greedy accuracy on the 25 toy prompts, for every
+  trainer over the same steps, as one PNG.
+
+Writes `suite.md`, `suite.json` (with the machine description) and `reward_curves.png` to `--out`
+(default `bench/results/`). A trainer whose module does not exist yet, or that fails, is listed as skipped with the
+reason. `--quick` is a short smoke run. Run `python bench/suite.py --help`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))
+
+import algos  # noqa: E402  (bench/algos.py)
+
+DEFAULT_OUT = os.path.join(HERE, "results")
+
+
+# ------------------------------------------------------------------------------------------------ settings
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for suite.md, suite.json, reward_curves.png")
+    p.add_argument("--only", default=None,
+                   help="comma-separated row names (grpo is always added); known: " + ", ".join(algos.ALL))
+    p.add_argument("--no-ref", action="store_true", help="skip the rows with a reference model (beta = 0.04)")
+    p.add_argument("--no-memory", action="store_true", help="skip the per-configuration RSS subprocesses")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 warm-up + 4 measured steps, 2 memory steps, no reference rows")
+    p.add_argument("--steps", type=int, default=30, help="measured steps per trainer (also the curves' length)")
+    p.add_argument("--warmup", type=int, default=2, help="steps per trainer excluded from the timings")
+    p.add_argument("--batch", type=int, default=16, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--group", type=int, default=4, help="completions per prompt (num_generations), G")
+    p.add_argument("--max-len", type=int, default=6, help="max_completion_length")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--acc-every", type=int, default=5, help="greedy accuracy every N steps (0: never)")
+    p.add_argument("--mem-steps", type=int, default=3)
+    p.add_argument("--mem-hidden", type=int, default=256)
+    p.add_argument("--mem-layers", type=int, default=4)
+    p.add_argument("--mem-timeout", type=int, default=300)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.mem_steps, args.no_ref = min(args.steps, 4), 1, 2, True
+        args.acc_every = 2 if args.acc_every else 0
+    return args
+
+
+def selected(args) -> list:
+    rows = list(algos.ALGOS) + ([] if args.no_ref else list(algos.ALGOS_REF))
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in algos.ALL]
+        if unknown:
+            raise SystemExit(f"--only: unknown rows {unknown}; known: {', '.join(algos.ALL)}")
+        wanted = set(names) | {algos.ALL[n].baseline for n in names} | {"grpo"}
+        rows = [a for a in rows if a.name in wanted]
+    return rows
+
+
+def build_trainer(algo, args, model_dir, out_dir, callbacks=(), max_steps=None):
+    """Construct the trainer of row `algo` with the shared settings; raises on failure."""
+    from transformers import AutoTokenizer
+
+    from trl_ppo_variants.toy import addition_dataset, addition_reward
+
+    config_cls, trainer_cls = algo.load()
+    kwargs = dict(
+        output_dir=os.path.join(out_dir, algo.name),
+        per_device_train_batch_size=args.batch * algo.batch_scale,
+        max_completion_length=args.max_len,
+        max_steps=max_steps if max_steps is not None else args.warmup + args.steps,
+        learning_rate=args.lr,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=args.seed,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    if algo.reward != "own":  # TTRL sets num_generations from n_votes
+        kwargs["num_generations"] = args.group
+    kwargs.update(algo.overrides(args.group))
+    config = config_cls(**kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    common = dict(args=config, train_dataset=addition_dataset(512, seed=args.seed), processing_class=tokenizer,
+                  callbacks=list(callbacks))
+    if algo.reward == "own":
+        return trainer_cls(model_dir, **common)
+    return trainer_cls(model_dir, addition_reward, **common)
+
+
+# ------------------------------------------------------------------------------------------------ interleaving
+class Stepper:
+    """A `TrainerCallback` that parks its trainer's thread after every optimizer step until released."""
+
+    def __init__(self, name, tokenizer, acc_every):
+        from transformers import TrainerCallback
+
+        stepper = self
+
+        class _Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, model=None, **kwargs):
+                stepper._accuracy(model, 0)
+                stepper._pause()
+
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                stepper._record(state.global_step)
+                if stepper.acc_every and state.global_step % stepper.acc_every == 0:
+                    stepper._accuracy(model, state.global_step)
+                stepper._pause()
+
+        self.callback = _Callback()
+        self.name = name
+        self.tokenizer = tokenizer
+        self.acc_every = acc_every
+        self.go = threading.Event()
+        self.done = threading.Event()
+        self.meter = None
+        self._last = None
+        self._t0 = None
+        self.steps = []  # one dict per optimizer step: seconds + the meter's deltas
+        self.accuracy = []  # (step, greedy accuracy)
+        self.error = None
+        self.finished = False
+
+    def _pause(self):
+        self.done.set()
+        self.go.wait()
+        self.go.clear()
+        self._last = self.meter.snapshot() if self.meter else None
+        self._t0 = time.perf_counter()
+
+    def _record(self, step):
+        seconds = time.perf_counter() - self._t0
+        row = {"step": step, "seconds": seconds}
+        if self.meter is not None:
+            row.update(algos.delta(self.meter.snapshot(), self._last))
+        self.steps.append(row)
+
+    def _accuracy(self, model, step):
+        if self.acc_every and model is not None:
+            from trl_ppo_variants.toy import greedy_accuracy
+
+            self.accuracy.append((step, greedy_accuracy(model, self.tokenizer)))
+
+    def release(self, timeout):
+        """Let the trainer run one optimizer step (or finish); False if it failed or did not come back in time."""
+        self.done.clear()
+        self.go.set()
+        if not self.done.wait(timeout):
+            self.error = f"no step completed within {timeout} s"
+            return False
+        return self.error is None and not self.finished
+
+
+def _quiet(trainer):
+    """Drop the callbacks that print every log dict (the suite prints its own progress)."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+
+
+def run_interleaved(rows, args, model_dir, work):
+    """Build every trainer, then step them round-robin in one process. Returns ({name: Stepper}, {name: reason})."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    steppers, trainers, skipped = {}, {}, {}
+    for algo in rows:
+        stepper = Stepper(algo.name, tokenizer, args.acc_every)
+        try:
+            torch.manual_seed(args.seed)
+            trainer = build_trainer(algo, args, model_dir, work, callbacks=[stepper.callback])
+        except algos.MissingTrainer as e:
+            skipped[algo.name] = f"skipped: {e}"
+            continue
+        except Exception as e:
+            skipped[algo.name] = f"construction failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            continue
+        stepper.meter = algos.Meter(trainer)
+        _quiet(trainer)
+        steppers[algo.name], trainers[algo.name] = stepper, trainer
+
+    threads = {}
+    for name, stepper in steppers.items():
+        def target(trainer=trainers[name], stepper=stepper):
+            try:
+                trainer.train()
+            except BaseException as e:  # reported in the table; the other trainers go on
+                stepper.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                traceback.print_exc()
+            finally:
+                stepper.finished = True
+                stepper.done.set()
+
+        threads[name] = threading.Thread(target=target, name=f"bench-{name}", daemon=True)
+        threads[name].start()
+        stepper.done.wait(600)  # parked in on_train_begin (or failed)
+
+    total = args.warmup + args.steps
+    live = [n for n, s in steppers.items() if s.error is None and not s.finished]
+    t_start = time.perf_counter()
+    for r in range(total):
+        order = live[r % len(live):] + live[: r % len(live)] if live else []
+        for name in order:
+            steppers[name].release(timeout=600)
+        live = [n for n in live if steppers[n].error is None and not steppers[n].finished]
+        print(f"  round {r + 1}/{total} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    for name, stepper in steppers.items():  # let train() return
+        if not stepper.finished:
+            stepper.go.set()
+        threads[name].join(timeout=120)
+    for name, stepper in steppers.items():
+        if stepper.error is not None:
+            skipped[name] = f"failed during training: {stepper.error}"
+    curves = {}
+    for name, trainer in trainers.items():
+        curves[name] = [(h["step"], h["reward"]) for h in trainer.state.log_history if "reward" in h and "step" in h]
+    return steppers, curves, skipped
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kib(field_name):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return None
+
+
+# What every configuration's memory child has imported before its baseline is read (the forkserver preloads it).
+PRELOAD = ["torch", "transformers", "datasets", "trl", "trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer",
+           "trl_ppo_variants.toy", "trl_ppo_variants.trainers.base", "algos", "suite"]
+
+
+def _memory_worker(name, model_dir, argv, out_path):
+    """In a process forked from the forkserver (libraries imported, nothing else): RSS now, then a few training
+    steps of row `name`, then the high-water mark. Linux starts a forked child's `VmHWM` at its RSS at fork."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    result = {}
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        args = parse_args(argv)
+        algo = algos.ALL[name]
+        algo.load()  # its module is imported before the baseline, like the libraries
+        with tempfile.TemporaryDirectory() as work:
+            base_kib = _status_kib("VmRSS")
+            trainer = build_trainer(algo, args, model_dir, work, max_steps=args.mem_steps)
+            _quiet(trainer)
+            trainer.train()
+            peak_kib = _status_kib("VmHWM")
+        result = {"baseline_mb": base_kib / 1024, "peak_mb": peak_kib / 1024, "delta_mb": (peak_kib - base_kib) / 1024}
+    except BaseException as e:
+        result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # skip the interpreter's slow teardown
+
+
+def measure_memory(rows, args, argv, mem_model_dir, work):
+    """{name: {baseline_mb, peak_mb, delta_mb} or {error}}: one fresh process per configuration, one at a time.
+
+    The processes are forked from a forkserver that has only imported the libraries (`PRELOAD`), so each starts
+    clean without paying the ~10 s of importing TRL again."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    results = {}
+    for algo in rows:
+        out = os.path.join(work, f"mem_{algo.name}.json")
+        t0 = time.perf_counter()
+        proc = ctx.Process(target=_memory_worker, args=(algo.name, mem_model_dir, argv, out), daemon=True)
+        proc.start()
+        proc.join(args.mem_timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            results[algo.name] = {"error": f"timed out after {args.mem_timeout} s"}
+        elif not os.path.exists(out):
+            results[algo.name] = {"error": f"exit code {proc.exitcode}"}
+        else:
+            with open(out) as f:
+                results[algo.name] = json.load(f)
+        shown = {k: round(v) if isinstance(v, float) else v for k, v in results[algo.name].items()}
+        print(f"  memory {algo.name}: {shown} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ report
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rows, steppers, memory, skipped, args):
+    """One result dict per row (ratios against the row's baseline, paired per round)."""
+    results = []
+    measured = {n: s.steps[args.warmup:] for n, s in steppers.items()}
+    for algo in rows:
+        res = {"name": algo.name, "label": algo.label, "baseline": algo.baseline}
+        if algo.name in skipped:
+            res["status"] = skipped[algo.name]
+        if algo.name not in measured or algo.name in skipped:
+            res.setdefault("status", "not run")
+            results.append(res)
+            continue
+        steps = measured[algo.name]
+        base = measured.get(algo.baseline) if algo.baseline not in skipped else None
+        res["status"] = "ok"
+        res["steps_measured"] = len(steps)
+        res["median_step_s"] = _median([s["seconds"] for s in steps])
+        gen = sum(s["gen_tokens"] for s in steps)
+        trained = sum(s["trained_tokens"] for s in steps)
+        res["gen_tokens_per_step"] = gen / len(steps) if steps else None
+        res["gen_per_trained_token"] = gen / trained if trained else None
+        res["rounds_per_step"] = sum(s["gen_calls"] for s in steps) / len(steps) if steps else None
+        res["rollout_share"] = (sum(s["rollout_time"] for s in steps) / sum(s["seconds"] for s in steps)
+                                if steps else None)
+        if base:
+            pairs = list(zip(steps, base))
+            res["time_ratio"] = _median([a["seconds"] / b["seconds"] for a, b in pairs])
+            res["per_gen_token_ratio"] = _median([
+                (a["seconds"] / a["gen_tokens"]) / (b["seconds"] / b["gen_tokens"])
+                for a, b in pairs if a["gen_tokens"] and b["gen_tokens"]])
+        mem = memory.get(algo.name)
+        if mem is not None:
+            res["memory"] = mem
+            bmem = memory.get(algo.baseline)
+            if "delta_mb" in mem and bmem and "delta_mb" in bmem and bmem["delta_mb"] > 0:
+                res["mem_ratio"] = mem["delta_mb"] / bmem["delta_mb"]
+                res["peak_rss_ratio"] = mem["peak_mb"] / bmem["peak_mb"]
+        verdict, words = algos.target_check(algo, res, args.group)
+        res["target"], res["verdict"] = words, verdict
+        results.append(res)
+    return results
+
+
+def _fmt(x, spec=".2f", suffix=""):
+    return "" if x is None else f"{x:{spec}}{suffix}"
+
+
+def markdown(results, machine, args):
+    lines = [
+        f"Toy task, tiny Qwen3 (hidden 64, 2 layers); batch {args.batch} completions, G = {args.group}, "
+        f"max_completion_length {args.max_len}; {args.warmup} warm-up + {args.steps} measured steps per trainer, "
+        f"interleaved in one process; memory: {args.mem_steps} steps in a fresh process per row on a hidden-"
+        f"{args.mem_hidden}, {args.mem_layers}-layer model. {machine['date']}, {machine['cpu']}, "
+        f"{machine['cores_usable']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"trl {machine['trl']} (1-min load average at start {machine.get('load_average_1min', '?')}).",
+        "",
+        "| trainer | s/step (median) | time vs GRPO | trainer RSS MB (vs GRPO) | peak RSS MB | gen tok / trained tok "
+        "| rounds / step | target | result |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["status"] != "ok":
+            lines.append(f"| {r['label']} | {r['status']} | | | | | | | |")
+            continue
+        mem = r.get("memory", {})
+        if "error" in mem:
+            mem_cell, peak_cell = f"error: {mem['error'][:60]}", ""
+        else:
+            mem_cell = _fmt(mem.get("delta_mb"), ".0f") + (
+                f" ({r['mem_ratio']:.2f}x)" if r.get("mem_ratio") is not None else "")
+            peak_cell = _fmt(mem.get("peak_mb"), ".0f")
+        ratio = _fmt(r.get("time_ratio"), ".2f", "x")
+        if r["name"] == "dapo" and r.get("per_gen_token_ratio") is not None:
+            ratio += f" ({r['per_gen_token_ratio']:.2f}x per generated token)"
+        if r["baseline"] != "grpo":
+            ratio += " (vs GRPO beta=0.04)" if ratio else ""
+        lines.append(
+            f"| {r['label']} | {_fmt(r['median_step_s'], '.3f')} | {ratio} | {mem_cell} | {peak_cell} "
+            f"| {_fmt(r.get('gen_per_trained_token'))} | {_fmt(r.get('rounds_per_step'))} "
+            f"| {r.get('target', '')} | {r.get('verdict', '')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(curves, accuracy, labels, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for name, pts in curves.items():
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        k = 5  # trailing moving average: the per-step reward of 4 prompts is noisy
+        smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+        (line,) = ax1.plot(xs, smooth, label=labels[name])
+        ax1.plot(xs, ys, color=line.get_color(), alpha=0.15)
+    ax1.set_xlabel("optimizer step")
+    ax1.set_ylabel("mean reward (logged; 5-step moving average)")
+    ax1.set_title("training reward (TTRL: its majority-vote reward)")
+    for name, pts in accuracy.items():
+        if pts:
+            xs, ys = zip(*pts)
+            ax2.plot(xs, ys, marker="o", label=labels[name])
+    ax2.set_xlabel("optimizer step")
+    ax2.set_ylabel("greedy accuracy on the 25 toy prompts")
+    ax2.set_title("held-out greedy accuracy")
+    ax2.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    from trl_ppo_variants.toy import build_model, build_tokenizer, make_toy_checkpoint, warm_start
+
+    t_all = time.perf_counter()
+    machine = algos.machine_description()
+    rows = selected(args)
+    os.makedirs(args.out, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench_suite_") as work:
+        model_dir = make_toy_checkpoint(os.path.join(work, "toy_model"), seed=args.seed, warm_steps=25)
+        available, missing = [], {}
+        for algo in rows:
+            try:
+                algo.load()
+                available.append(algo)
+            except algos.MissingTrainer as e:
+                missing[algo.name] = f"skipped: {e}"
+                print(f"SKIP {algo.name}: {e}", flush=True)
+        memory = {}
+        if not args.no_memory:  # first, while no trainer thread exists in this process
+            mem_dir = os.path.join(work, "mem_model")
+            tok = build_tokenizer()
+            model = build_model(tok, seed=args.seed, hidden_size=args.mem_hidden, num_layers=args.mem_layers)
+            warm_start(model, tok, steps=25, seed=args.seed)
+            model.save_pretrained(mem_dir)
+            tok.save_pretrained(mem_dir)
+            del model
+            print(f"memory: {len(available)} fresh processes, {args.mem_steps} steps each", flush=True)
+            memory = measure_memory(available, args, argv, mem_dir, work)
+        print(f"timing {len(available)} rows interleaved: {args.warmup} + {args.steps} steps each", flush=True)
+        steppers, curves, skipped = run_interleaved(available, args, model_dir, work)
+        skipped.update(missing)
+    results = summarize(rows, steppers, memory, skipped, args)
+    machine["load_average_1min_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    machine["suite_seconds"] = round(time.perf_counter() - t_all, 1)
+    settings = vars(args)
+    payload = {
+        "machine": machine,
+        "settings": settings,
+        "method": {
+            "time": "all trainers in one process, interleaved one optimizer step at a time (rotating order); "
+                    "ratio = median over rounds of the paired per-round ratio to the baseline row",
+            "memory": "fresh subprocess per row; delta_mb = VmHWM - VmRSS after imports; ratio on delta_mb",
+        },
+        "results": results,
+        "steps": {n: s.steps for n, s in steppers.items()},
+        "reward_curves": curves,
+        "greedy_accuracy": {n: s.accuracy for n, s in steppers.items()},
+    }
+    with open(os.path.join(args.out, "suite.json"), "w") as f:
+        json.dump(payload, f, indent=1)
+    table = markdown(results, machine, args)
+    with open(os.path.join(args.out, "suite.md"), "w") as f:
+        f.write(table)
+    if not args.no_plot:
+        labels = {a.name: a.label for a in rows}
+        plot(curves, {n: s.accuracy for n, s in steppers.items()}, labels,
+             os.path.join(args.out, "reward_curves.png"))
+    print(table)
+    for r in results:
+        if r.get("verdict"):
+            print(f"{r['verdict']}: {r['label']}: {r['target']} (measured {r.get('time_ratio', 0):.2f}x"
+                  + (f", {r['per_gen_token_ratio']:.2f}x per generated token" if r["name"] == "dapo"
+                     and r.get("per_gen_token_ratio") else "")
+                  + (f", memory {r['mem_ratio']:.2f}x" if r.get("mem_ratio") is not None else "") + ")")
+        elif r["status"] != "ok":
+            print(f"SKIP: {r['label']}: {r['status']}")
+    print(f"wrote {args.out}/suite.md, suite.json" + ("" if args.no_plot else ", reward_curves.png")
+          + f" in {time.perf_counter() - t_all:.0f} s")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""2-process VAPO run with the critic attached to the policy (DDP, DeepSpeed ZeRO-2 or ZeRO-3: the launcher decides).
+
+Usage: accelerate launch [--config_file tests/configs/critic_zero{2,3}.yaml | --multi_gpu] --num_processes 2 ...
+       critic_two_process.py MODEL_DIR OUT_DIR
+
+3 optimizer steps, the first one value pre-training (weight decay on, to check that the frozen policy does not decay);
+the number of optimizer-state entries dropped when pre-training ends is recorded (ZeRO keys them by flat partitions).
+Each rank writes OUT_DIR/rank{r}.json with, per step, a fingerprint of the policy's and of the critic's full weights
+(ZeRO-3 parameters gathered first), the logged losses, and the files of the exported model (rank 0 exports).
+"""
+
+import hashlib
+import json
+import os
+import sys
+
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import TrainerCallback  # noqa: E402
+
+from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
+from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer  # noqa: E402
+
+
+def fingerprints(trainer) -> dict:
+    """sha256 of the policy's and of the critic's parameters (full tensors, on every rank)."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    params = list(model.named_parameters())
+    gather = None
+    if trainer.is_deepspeed_enabled and any(hasattr(p, "ds_id") for _, p in params):
+        import deepspeed
+
+        gather = deepspeed.zero.GatheredParameters([p for _, p in params])
+    digests = {"policy": hashlib.sha256(), "critic": hashlib.sha256()}
+    if gather is not None:
+        gather.__enter__()
+    try:
+        for name, param in params:
+            part = "critic" if name.startswith("critic.") else "policy"
+            digests[part].update(param.detach().float().cpu().numpy().tobytes())
+    finally:
+        if gather is not None:
+            gather.__exit__(None, None, None)
+    return {k: v.hexdigest() for k, v in digests.items()}
+
+
+class Record(TrainerCallback):
+    def __init__(self):
+        self.trainer = None
+        self.steps = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.steps.append({"step": 0, **fingerprints(self.trainer)})
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append({"step": state.global_step, **fingerprints(self.trainer)})
+
+
+def main():
+    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    args = VAPOConfig(
+        output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=4, max_steps=3, learning_rate=1e-3, critic_learning_rate=1e-3, weight_decay=0.1,
+        value_pretrain_steps=1, length_adaptive_alpha=1.0, logging_steps=1, report_to=[], seed=0,
+        save_strategy="steps", save_steps=3, disable_tqdm=True, beta=0.0, temperature=1.0, use_cpu=True,
+    )
+    record = Record()
+    trainer = VAPOTrainer(model_dir, addition_reward, args=args, train_dataset=addition_dataset(64),
+                          callbacks=[record])
+    record.trainer = trainer
+    resets = []
+    reset = trainer._reset_policy_optimizer_state
+    trainer._reset_policy_optimizer_state = lambda: resets.append(reset()) or resets[-1]
+    trainer.train()
+    export = os.path.join(out_dir, "export")
+    trainer.save_model(export)
+    trainer.accelerator.wait_for_everyone()
+    rank = trainer.accelerator.process_index
+    logs = [{k: v for k, v in h.items() if k in ("loss", "value/loss", "value/explained_variance", "grad_norm",
+                                                 "value_pretraining", "positive/nll")}
+            for h in trainer.state.log_history if "loss" in h]
+    checkpoint = os.path.join(args.output_dir, "checkpoint-3")
+    result = {
+        "rank": rank,
+        "world": trainer.accelerator.num_processes,
+        "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+        if trainer.is_deepspeed_enabled else None,
+        "global_step": trainer.state.global_step,
+        "steps": record.steps,
+        "policy_state_entries_reset": resets,
+        "logs": logs,
+        "export_files": sorted(os.listdir(export)) if os.path.isdir(export) else [],
+        "value_model_files": sorted(os.listdir(os.path.join(export, "value_model")))
+        if os.path.isdir(os.path.join(export, "value_model")) else [],
+        "checkpoint_files": sorted(os.listdir(checkpoint)) if os.path.isdir(checkpoint) else [],
+    }
+    if rank == 0:
+        from safetensors import safe_open
+
+        def keys(path):
+            files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+            out = []
+            for f in files:
+                with safe_open(os.path.join(path, f), "pt") as handle:
+                    out.extend(handle.keys())
+            return out
+
+        result["export_keys"] = keys(export)
+        result["value_model_keys"] = keys(os.path.join(export, "value_model"))
+        result["checkpoint_keys"] = keys(checkpoint) if os.path.isdir(checkpoint) and any(
+            f.endswith(".safetensors") for f in os.listdir(checkpoint)) else []
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

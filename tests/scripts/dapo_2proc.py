@@ -1,0 +1,156 @@
+"""2-process DAPO run on the toy task (launched by tests/test_dapo.py with `accelerate launch --num_processes 2`).
+
+--mode uneven: G = 4 with 6 local rows per generation batch (a group always spans the two processes),
+  gradient accumulation = steps_per_generation = 2, num_iterations = 2; prompts starting with "0" always score 1, so
+  groups are dropped unevenly on the two processes. Checks, at every generation step: equal row counts on both
+  processes, a full batch (generation_batch_size // G groups), every group one prompt with a reward spread; that
+  some round dropped a different number of rows on the two processes; at the end, identical weights.
+--mode exhaust: the reward is constant except on prompts starting with "0" and at most 2 rounds are allowed, so steps
+  end exhausted; G = 2, steps_per_generation = 2 on 2 processes: the kept groups are rounded to a multiple of 2.
+  Checks: the run finishes, every step has equal row counts, at least one step is exhausted, identical weights.
+
+Prints "DAPO-2PROC-OK <mode>" on the main process when every check passed.
+"""
+
+import argparse
+import os
+import re
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+
+torch.set_num_threads(1)
+
+from accelerate.utils import gather_object  # noqa: E402
+
+from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
+from trl_ppo_variants.trainers import dapo as dapo_module  # noqa: E402
+from trl_ppo_variants.trainers.dapo import DAPOConfig, DAPOTrainer  # noqa: E402
+
+
+def zero_prompts_always_right(completions, prompts, answer, **kwargs):
+    real = addition_reward(completions, answer)
+    return [1.0 if p.startswith("0") else r for r, p in zip(real, prompts)]
+
+
+def mostly_constant(completions, prompts, answer, **kwargs):
+    real = addition_reward(completions, answer)
+    return [r if p.startswith("0") else 0.5 for r, p in zip(real, prompts)]
+
+
+def answer_of(prompt_text):
+    a, b = re.match(r"(\d)\+(\d)=", prompt_text).groups()
+    return str(int(a) + int(b))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["uneven", "exhaust"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    opts = parser.parse_args()
+
+    common = dict(output_dir=os.path.join(opts.out, opts.mode), max_completion_length=4, learning_rate=1e-3,
+                  use_cpu=True,
+                  logging_steps=1, report_to=[], seed=0, save_strategy="no", disable_tqdm=True, beta=0.0)
+    if opts.mode == "uneven":
+        G = 4
+        args = DAPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
+                          num_iterations=2, max_steps=6, max_generation_rounds=8, **common)
+        reward = zero_prompts_always_right
+    else:
+        G = 2
+        args = DAPOConfig(per_device_train_batch_size=2, num_generations=G, gradient_accumulation_steps=2,
+                          max_steps=4, max_generation_rounds=2, refill_num_prompts=1, **common)
+        reward = mostly_constant
+
+    # record every round's spread mask (the same global decision on both processes)
+    rounds = []
+    original_add = dapo_module.GroupAccumulator.add_round
+
+    def add_round(self, rollout, rewards_per_func, filter_values):
+        rounds.append((filter_values.shape[0], dapo_module.selection.group_spread_mask(filter_values, self.G)))
+        return original_add(self, rollout, rewards_per_func, filter_values)
+
+    dapo_module.GroupAccumulator.add_round = add_round
+
+    trainer = DAPOTrainer(opts.model, reward, args=args, train_dataset=addition_dataset(256, seed=0))
+    acc = trainer.accelerator
+    tok = trainer.processing_class
+    local_gen = args.per_device_train_batch_size * args.steps_per_generation
+    steps = []
+    original = trainer._generate_and_score_completions
+
+    def wrapped(inputs):
+        out = original(inputs)
+        rows = out["completion_ids"].shape[0]
+        counts = gather_object([rows])
+        prompts = gather_object(tok.batch_decode(out["prompt_ids"], skip_special_tokens=True))
+        completions = gather_object(tok.batch_decode(out["completion_ids"], skip_special_tokens=True))
+        advantages = acc.gather(out["advantages"].contiguous())
+        steps.append((counts, prompts, completions, advantages.cpu(), int(out["num_items_in_batch"])))
+        return out
+
+    trainer._generate_and_score_completions = wrapped
+    trainer.train()
+
+    problems = []
+    for i, (counts, prompts, completions, advantages, num_items) in enumerate(steps):
+        if len(set(counts)) != 1:
+            problems.append(f"step {i}: row counts differ across processes {counts}")
+        n = sum(counts)
+        if n % G:
+            problems.append(f"step {i}: {n} rows is not whole groups")
+            continue
+        groups = n // G
+        for g in range(groups):
+            if len(set(prompts[g * G:(g + 1) * G])) != 1:
+                problems.append(f"step {i}: group {g} mixes prompts {prompts[g * G:(g + 1) * G]}")
+        if opts.mode == "uneven":
+            if counts[0] != local_gen:
+                problems.append(f"step {i}: {counts[0]} local rows, expected the full {local_gen}")
+            rewards = torch.tensor(reward(completions, prompts, [answer_of(p) for p in prompts])).view(-1, G)
+            if not (rewards.std(dim=1) > 0).all():
+                problems.append(f"step {i}: a trained group has no reward spread: {rewards.tolist()}")
+            if not (advantages.view(-1, G).abs().sum(dim=1) > 0).all():
+                problems.append(f"step {i}: a trained group has all-zero advantages")
+        if not torch.isfinite(advantages).all():
+            problems.append(f"step {i}: non-finite advantages")
+
+    logs = [h for h in trainer.state.log_history if "dapo/rounds" in h]
+    if opts.mode == "uneven":
+        uneven = False
+        for n, spread in rounds:
+            dropped_rows = (~spread).repeat_interleave(G)
+            per_rank = dropped_rows.view(2, -1).sum(dim=1)
+            uneven |= bool(per_rank[0] != per_rank[1])
+        if not uneven:
+            problems.append("no round dropped a different number of rows on the two processes")
+        if not any(h["dapo/rounds"] > 1 for h in logs):
+            problems.append("no refill happened")
+    else:
+        if not any(h["dapo/exhausted"] > 0 for h in logs):
+            problems.append("no step was exhausted")
+
+    # identical weights on both processes
+    flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
+    both = acc.gather(flat.unsqueeze(0))
+    if not torch.equal(both[0], both[1]):
+        problems.append(f"weights differ across processes (max diff {(both[0] - both[1]).abs().max().item()})")
+
+    merged = [p for per_rank in gather_object([problems]) for p in per_rank]
+    acc.wait_for_everyone()
+    if merged:
+        if acc.is_main_process:
+            print("\n".join(merged))
+        sys.exit(1)
+    if acc.is_main_process:
+        print(f"DAPO-2PROC-OK {opts.mode} steps={len(steps)} rounds={len(rounds)} "
+              f"metrics={[{k: h[k] for k in h if k.startswith('dapo/')} for h in logs]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""Unit tests of every function in `trl_ppo_variants.advantages`, against hand-computed examples.
+
+Layout in the examples: 2 prompts x 3 completions (rows 0-2 are prompt 0, rows 3-5 prompt 1), ragged masks.
+Expected values are written out (or derived with plain arithmetic in the test), never with the function under test.
+"""
+
+import math
+
+import pytest
+import torch
+
+from trl_ppo_variants.advantages import (
+    gae,
+    grpo_advantages,
+    group_view,
+    kl_estimate,
+    length_adaptive_lambda,
+    masked_mean,
+    masked_whiten,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    remax_advantages,
+    rloo_advantages,
+    token_rewards_from_outcome,
+)
+
+NAN = float("nan")
+EPS = 1e-4  # grpo_advantages' default, TRL's constant
+
+
+def t(x):
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def close(actual, expected, atol=1e-6):
+    torch.testing.assert_close(actual, t(expected) if not isinstance(expected, torch.Tensor) else expected,
+                               rtol=0, atol=atol)
+
+
+def whiten_by_hand(values):
+    """(x - mean) / sqrt(unbiased var + 1e-8) of a plain list: the statistics masked_whiten must reproduce."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in values]
+
+
+# Rewards of the 2 x 3 batch: group 0 spread, group 1 all equal.
+REWARDS = t([1.0, 0.0, 2.0, 3.0, 3.0, 3.0])
+
+
+# --------------------------------------------------------------------------------------------- group_view
+def test_group_view_shapes_and_errors():
+    assert group_view(REWARDS, 3).shape == (2, 3)
+    assert group_view(REWARDS, 3)[1].tolist() == [3.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        group_view(REWARDS, 4)
+    with pytest.raises(ValueError, match="group_size must be >= 1"):
+        group_view(REWARDS, 0)
+
+
+# --------------------------------------------------------------------------------------------- grpo
+def test_grpo_group_scale_hand_computed():
+    # group 0: mean 1, sample std sqrt((0 + 1 + 1) / 2) = 1; group 1: all equal -> 0
+    close(grpo_advantages(REWARDS, 3, "group"), [0.0, -1 / (1 + EPS), 1 / (1 + EPS), 0.0, 0.0, 0.0])
+
+
+def test_grpo_batch_scale_hand_computed():
+    # centred on the group mean, divided by the batch's sample std: mean 2, squares 1+4+0+1+1+1 = 8, var 8/5
+    std = math.sqrt(8 / 5)
+    close(grpo_advantages(REWARDS, 3, "batch"), [0.0, -1 / (std + EPS), 1 / (std + EPS), 0.0, 0.0, 0.0])
+
+
+def test_grpo_no_scale_hand_computed():
+    close(grpo_advantages(REWARDS, 3, "none"), [0.0, -1.0, 1.0, 0.0, 0.0, 0.0])
+
+
+def test_grpo_nan_rows_are_zero_and_left_out_of_the_statistics():
+    rewards = t([1.0, NAN, 3.0, 5.0, NAN, NAN])
+    # group 0 over {1, 3}: mean 2, std sqrt(2); group 1 has one finite reward: std undefined -> 0
+    s = math.sqrt(2)
+    close(grpo_advantages(rewards, 3, "group"), [-1 / (s + EPS), 0.0, 1 / (s + EPS), 0.0, 0.0, 0.0])
+    # batch std over {1, 3, 5}: 2
+    close(grpo_advantages(rewards, 3, "batch"), [-1 / (2 + EPS), 0.0, 1 / (2 + EPS), 0.0, 0.0, 0.0])
+    all_nan = torch.full((6,), NAN)
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(grpo_advantages(all_nan, 3, scale), torch.zeros(6))
+
+
+def test_grpo_group_size_one_and_bad_scale():
+    assert torch.equal(grpo_advantages(t([1.0, 2.0]), 1, "group"), torch.zeros(2))
+    with pytest.raises(ValueError, match="scale must be one of"):
+        grpo_advantages(REWARDS, 3, "std")
+
+
+# --------------------------------------------------------------------------------------------- rloo
+def test_rloo_hand_computed():
+    # baselines of group 0: (0+2)/2, (1+2)/2, (1+0)/2
+    close(rloo_advantages(REWARDS, 3), [0.0, -1.5, 1.5, 0.0, 0.0, 0.0])
+
+
+def test_rloo_nan_rows():
+    rewards = t([1.0, NAN, 3.0, 5.0, NAN, NAN])
+    # group 0: each finite row's baseline is the other finite row; group 1: a lone finite row has no baseline
+    close(rloo_advantages(rewards, 3), [-2.0, 0.0, 2.0, 0.0, 0.0, 0.0])
+    assert torch.isfinite(rloo_advantages(torch.full((6,), NAN), 3)).all()
+
+
+def test_rloo_group_sums_to_zero():
+    gen = torch.Generator().manual_seed(0)
+    rewards = torch.randn(40, generator=gen)
+    for g in (2, 4, 5, 8):
+        sums = rloo_advantages(rewards, g).view(-1, g).sum(dim=1)
+        torch.testing.assert_close(sums, torch.zeros_like(sums), rtol=0, atol=1e-5)
+
+
+def test_rloo_equals_scaled_mean_centering():
+    # an identity of the estimator: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean_group)
+    gen = torch.Generator().manual_seed(1)
+    rewards = torch.randn(12, generator=gen)
+    expected = 4 / 3 * (rewards.view(-1, 4) - rewards.view(-1, 4).mean(1, keepdim=True)).reshape(-1)
+    torch.testing.assert_close(rloo_advantages(rewards, 4), expected, rtol=0, atol=1e-6)
+
+
+def test_rloo_needs_two():
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        rloo_advantages(REWARDS, 1)
+
+
+# --------------------------------------------------------------------------------------------- remax
+def test_remax_hand_computed():
+    close(remax_advantages(REWARDS, t([0.5, 3.0]), 3), [0.5, -0.5, 1.5, 0.0, 0.0, 0.0])
+
+
+def test_remax_nan_greedy_and_nan_rows():
+    close(remax_advantages(t([1.0, NAN, 2.0, 3.0, 4.0, 5.0]), t([0.5, NAN]), 3), [0.5, 0.0, 1.5, 0.0, 0.0, 0.0])
+
+
+def test_remax_shape_error():
+    with pytest.raises(ValueError, match=r"greedy_rewards must have shape \(2,\)"):
+        remax_advantages(REWARDS, t([0.5, 3.0, 1.0]), 3)
+
+
+# --------------------------------------------------------------------------------------------- masked_mean / whiten
+def test_masked_mean_ignores_garbage_at_masked_positions():
+    x = t([[1.0, 2.0, NAN], [4.0, float("inf"), NAN]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    close(masked_mean(x, mask), 7 / 3)
+    assert masked_mean(x, torch.zeros_like(mask)).item() == 0.0
+
+
+def test_masked_whiten_uses_bessel_corrected_variance():
+    x = t([[1.0, 2.0, NAN], [3.0, 100.0, -7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    # valid values 1, 2, 3: mean 2, unbiased variance 1 (the population variance would be 2/3)
+    s = math.sqrt(1 + 1e-8)
+    close(masked_whiten(x, mask), [[-1 / s, 0.0, 0.0], [1 / s, 0.0, 0.0]])
+
+
+def test_masked_whiten_degenerate():
+    assert torch.equal(masked_whiten(t([[5.0, 1.0]]), torch.tensor([[1, 0]])), torch.zeros(1, 2))
+    assert torch.equal(masked_whiten(t([[5.0, 1.0]]), torch.tensor([[0, 0]])), torch.zeros(1, 2))
+    assert torch.equal(masked_whiten(t([[2.0, 2.0, 2.0]]), torch.ones(1, 3)), torch.zeros(1, 3))
+
+
+# --------------------------------------------------------------------------------------------- kl_estimate
+def test_kl_estimators_hand_computed():
+    logp, ref = t([-1.0, -2.0, -0.3]), t([-1.5, -1.0, -0.3])  # log-ratio 0.5, -1, 0
+    close(kl_estimate(logp, ref, "k1"), [0.5, -1.0, 0.0])
+    close(kl_estimate(logp, ref, "k2"), [0.125, 0.5, 0.0])
+    close(kl_estimate(logp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1, math.exp(1.0) - 1 - 1, 0.0])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimators_k2_k3_non_negative():
+    gen = torch.Generator().manual_seed(0)
+    logp, ref = torch.randn(100, generator=gen), torch.randn(100, generator=gen)
+    assert (kl_estimate(logp, ref, "k2") >= 0).all()
+    assert (kl_estimate(logp, ref, "k3") >= 0).all()
+
+
+# --------------------------------------------------------------------------------------------- token rewards
+def test_token_rewards_from_outcome_hand_computed():
+    rewards = t([1.0, NAN, 2.0])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    kl = t([[0.1, 0.2, NAN], [0.3, 0.3, 0.3], [1.0, 1.0, 1.0]])
+    out = token_rewards_from_outcome(rewards, mask, kl, kl_coef=0.5)
+    # row 0: -0.5 * kl, outcome at the last valid token; row 1 unscorable; row 2 has no token to carry its reward
+    close(out, [[-0.05, -0.1 + 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    close(token_rewards_from_outcome(rewards, mask), [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+
+
+# --------------------------------------------------------------------------------------------- REINFORCE++
+RPP_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
+RPP_KL = t([[0.1, 0.2, 0.3], [0.4, 0.5, 99.0]])  # 99 sits at a masked position
+
+
+def test_reinforce_pp_hand_computed_gamma_one():
+    # token rewards: row 0 [-0.05, -0.1, -0.15 + 1], row 1 [-0.2, -0.25 + 0]; reverse cumulative sums:
+    returns = [0.7, 0.75, 0.85, -0.45, -0.25]
+    w = whiten_by_hand(returns)
+    out = reinforce_pp_advantages(t([1.0, 0.0]), RPP_MASK, kl=RPP_KL, kl_coef=0.5, gamma=1.0)
+    close(out, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]], atol=1e-5)
+
+
+def test_reinforce_pp_hand_computed_gamma_half():
+    # G_t = r_t + 0.5 G_{t+1}: row 0: 0.85, -0.1 + 0.425, -0.05 + 0.1625; row 1: -0.25, -0.2 - 0.125
+    returns = [0.1125, 0.325, 0.85, -0.325, -0.25]
+    w = whiten_by_hand(returns)
+    out = reinforce_pp_advantages(t([1.0, 0.0]), RPP_MASK, kl=RPP_KL, kl_coef=0.5, gamma=0.5)
+    close(out, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]], atol=1e-5)
+
+
+def test_reinforce_pp_masked_gap_is_not_a_discount_step():
+    # a tool-output token in the middle (mask 0) neither carries reward nor counts as a step of the discount
+    mask = torch.tensor([[1, 0, 1], [1, 1, 1]])
+    out = reinforce_pp_advantages(t([1.0, 0.0]), mask, gamma=0.5)
+    w = whiten_by_hand([0.5, 1.0, 0.0, 0.0, 0.0])
+    close(out, [[w[0], 0.0, w[1]], [w[2], w[3], w[4]]], atol=1e-5)
+
+
+def test_reinforce_pp_nan_rows_and_masked_values():
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    kl = t([[0.1, 0.2, 0.3], [0.4, 0.5, 0.0], [7.0, 0.0, 0.0]])
+    base = reinforce_pp_advantages(t([1.0, 0.0, NAN]), mask, kl=kl, kl_coef=0.5)
+    assert torch.equal(base[2], torch.zeros(3))  # unscorable row: 0, and excluded from whitening
+    close(base[:2], reinforce_pp_advantages(t([1.0, 0.0]), RPP_MASK, kl=RPP_KL, kl_coef=0.5), atol=1e-6)
+    garbage = kl.clone()
+    garbage[mask == 0] = NAN
+    assert torch.equal(reinforce_pp_advantages(t([1.0, 0.0, NAN]), mask, kl=garbage, kl_coef=0.5), base)
+
+
+# --------------------------------------------------------------------------------------------- REINFORCE++-baseline
+BASE_MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    rewards = t([1.0, 0.0, 2.0, 4.0, 4.0, 1.0])
+    # r - group mean: group 0 [0, -1, 1], group 1 (mean 3) [1, 1, -2]; broadcast to 3, 1, 2, 2, 3, 1 valid tokens
+    centered = [0.0, -1.0, 1.0, 1.0, 1.0, -2.0]
+    lengths = BASE_MASK.sum(1).tolist()
+    flat = [c for c, n in zip(centered, lengths) for _ in range(n)]
+    w = iter(whiten_by_hand(flat))
+    expected = [[next(w) if j < n else 0.0 for j in range(3)] for n in lengths]
+    close(reinforce_pp_baseline_advantages(rewards, BASE_MASK, 3), expected, atol=1e-5)
+
+
+def test_reinforce_pp_baseline_all_equal_groups_and_nan():
+    assert torch.equal(reinforce_pp_baseline_advantages(t([2.0] * 6), BASE_MASK, 3), torch.zeros(6, 3))
+    out = reinforce_pp_baseline_advantages(t([1.0, NAN, 3.0, NAN, NAN, NAN]), BASE_MASK, 3)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[1], torch.zeros(3)) and torch.equal(out[3:], torch.zeros(3, 3))
+    # group 0 over {1, 3}: centred [-1, +1] on 3 and 2 tokens -> whitened
+    w = whiten_by_hand([-1.0] * 3 + [1.0] * 2)
+    close(out[0], w[:3], atol=1e-5)
+    close(out[2], w[3:] + [0.0], atol=1e-5)
+
+
+def test_reinforce_pp_baseline_is_zero_on_masked_positions_for_any_mask_dtype():
+    rewards = t([1.0, 0.0, 2.0, 4.0, 4.0, 1.0])
+    a = reinforce_pp_baseline_advantages(rewards, BASE_MASK, 3)
+    b = reinforce_pp_baseline_advantages(rewards, BASE_MASK.bool(), 3)
+    c = reinforce_pp_baseline_advantages(rewards, BASE_MASK.float(), 3)
+    assert torch.equal(a, b) and torch.equal(a, c) and (a[BASE_MASK == 0] == 0).all()
+
+
+# --------------------------------------------------------------------------------------------- GAE
+def test_gae_hand_recursion_ragged():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 2.0, 5.0], [0.0, 5.0, 1.0]])
+    values = t([[0.5, 0.6, 0.7], [0.1, 0.2, 9.0], [0.2, 9.0, 0.4]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 1]])
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # row 0: d2 = 1 - .7 = .3; d1 = .9*.7 - .6 = .03, A1 = .03 + .72*.3; d0 = .9*.6 - .5 = .04, A0 = .04 + .72*A1
+    a1 = 0.03 + 0.72 * 0.3
+    a0 = 0.04 + 0.72 * a1
+    # row 1 (last token masked): d1 = 2 - .2 = 1.8; d0 = .9*.2 - .1 = .08, A0 = .08 + .72*1.8
+    # row 2 (middle token masked, skipped): d2 = 1 - .4 = .6; d0 = .9*.4 - .2 = .16, A0 = .16 + .72*.6
+    expected = [[a0, a1, 0.3], [0.08 + 0.72 * 1.8, 1.8, 0.0], [0.16 + 0.72 * 0.6, 0.0, 0.6]]
+    close(adv, expected, atol=1e-6)
+    close(ret, (t(expected) + values) * mask, atol=1e-6)
+
+
+def test_gae_per_sequence_lambda():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = t([[0.5, 0.6, 0.7], [0.1, 0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, _ = gae(rewards, values, mask, gamma=0.9, lam=t([0.0, 1.0]))
+    # lam 0: one-step TD errors; lam 1: A0 = d0 + 0.9 * d1
+    close(adv, [[0.04, 0.03, 0.3], [0.08 + 0.9 * 1.8, 1.8, 0.0]], atol=1e-6)
+    with pytest.raises(ValueError, match="lam must be a float or have shape"):
+        gae(rewards, values, mask, lam=t([0.5, 0.5, 0.5]))
+
+
+def test_gae_monte_carlo_identity_and_masked_garbage():
+    gen = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 0, 1, 1, 0, 0], [0] * 6])
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    m = mask.float()
+    mc = torch.flip(torch.cumsum(torch.flip(rewards * m, [1]), 1), [1])  # sum of valid rewards from t on
+    torch.testing.assert_close(adv, (mc - values) * m, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ret, mc * m, rtol=0, atol=1e-5)
+    r2, v2 = rewards.clone(), values.clone()
+    r2[mask == 0], v2[mask == 0] = NAN, NAN
+    adv2, ret2 = gae(r2, v2, mask, gamma=0.9, lam=0.7)
+    adv1, ret1 = gae(rewards, values, mask, gamma=0.9, lam=0.7)
+    assert torch.equal(adv1, adv2) and torch.equal(ret1, ret2)
+
+
+# --------------------------------------------------------------------------------------------- VAPO lambda
+def test_length_adaptive_lambda():
+    lam = length_adaptive_lambda(torch.tensor([1, 20, 100, 1000, 0]), alpha=0.05)
+    # 1 - 1 / (0.05 l): -19 -> clamped 0; 0; 0.8; 0.98; length 0 -> 0
+    close(lam, [0.0, 0.0, 0.8, 0.98, 0.0])
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        length_adaptive_lambda(torch.tensor([10]), alpha=0.0)
+
+
+# --------------------------------------------------------------------------------------------- shared properties
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda r: grpo_advantages(r, 3, "group"),
+        lambda r: grpo_advantages(r, 3, "batch"),
+        lambda r: grpo_advantages(r, 3, "none"),
+        lambda r: rloo_advantages(r, 3),
+        lambda r: remax_advantages(r, torch.nan_to_num(r.view(-1, 3)[:, 0], nan=0.0), 3),
+    ],
+    ids=["grpo-group", "grpo-batch", "grpo-none", "rloo", "remax"],
+)
+def test_nan_and_all_equal_groups_give_zero(fn):
+    all_equal = t([0.5, 0.5, 0.5, 2.0, 2.0, 2.0])
+    assert torch.equal(fn(all_equal), torch.zeros(6))
+    with_nan = t([NAN, NAN, NAN, 1.0, NAN, 1.0])
+    out = fn(with_nan)
+    assert torch.isfinite(out).all() and torch.equal(out, torch.zeros(6))

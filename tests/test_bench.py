@@ -1,0 +1,123 @@
+"""The benchmark scripts run end to end and write what the README reads: the GPU script on CPU with its tiny shape,
+the CPU suite in its quickest mode, and the pure parts (target verdicts, the meter) on hand-made inputs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+
+import algos  # noqa: E402
+
+
+def _env():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env.pop("OUT", None)
+    return env
+
+
+def test_target_verdicts_follow_the_issue_bounds():
+    rows = {a.name: a for a in algos.ALGOS}
+    assert algos.target_check(rows["rloo"], {"time_ratio": 1.04}, 4)[0] == "PASS"
+    assert algos.target_check(rows["rloo"], {"time_ratio": 1.06}, 4)[0] == "MISS"
+    # ReMax: (1 + 1/G) + 5% = 1.30 for G = 4
+    assert algos.target_check(rows["remax"], {"time_ratio": 1.29}, 4)[0] == "PASS"
+    assert algos.target_check(rows["remax"], {"time_ratio": 1.31}, 4)[0] == "MISS"
+    # DAPO is judged per generated token, not per step
+    assert algos.target_check(rows["dapo"], {"time_ratio": 3.0, "per_gen_token_ratio": 1.0}, 4)[0] == "PASS"
+    assert algos.target_check(rows["dapo"], {"time_ratio": 1.0, "per_gen_token_ratio": 1.1}, 4)[0] == "MISS"
+    assert algos.target_check(rows["ppo"], {"time_ratio": 1.7, "mem_ratio": 1.5}, 4)[0] == "PASS"
+    assert algos.target_check(rows["ppo"], {"time_ratio": 1.7, "mem_ratio": 1.7}, 4)[0] == "MISS"
+    assert algos.target_check(rows["vapo"], {"time_ratio": 1.9, "mem_ratio": 1.0}, 4)[0] == "MISS"
+    assert algos.target_check(rows["trl_rloo"], {"time_ratio": 9.0}, 4)[0] == ""  # a peer, no target
+
+
+def test_missing_trainer_module_is_reported_not_raised():
+    ghost = algos.Algo("ghost", "Ghost", "trl_ppo_variants.trainers.ghost", "GhostConfig", "GhostTrainer")
+    with pytest.raises(algos.MissingTrainer, match="trainers/ghost.py does not exist yet"):
+        ghost.load()
+    wrong_name = algos.Algo("x", "X", "trl", "GRPOConfig", "NoSuchTrainer")
+    with pytest.raises(algos.MissingTrainer, match="has no NoSuchTrainer"):
+        wrong_name.load()
+
+
+def test_meter_counts_generated_and_trained_tokens():
+    import torch
+
+    class Fake:
+        def _generate_single_turn(self, prompt_ids, *a, **k):
+            return [[1, 2, 3], [4]], None  # TRL's GRPO: (completion ids, logprobs)
+
+        def _generate_and_score_completions(self, inputs):
+            self._generate_single_turn(None)
+            self._generate_single_turn(None)  # a second round (DAPO's refill)
+            return "out"
+
+        def _compute_loss(self, model, inputs):
+            return "loss"
+
+    fake = Fake()
+    meter = algos.Meter(fake)
+    assert fake._generate_and_score_completions(None) == "out"
+    assert fake._compute_loss(None, {"completion_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}) == "loss"
+    snap = meter.snapshot()
+    assert (snap["gen_calls"], snap["gen_tokens"], snap["rollout_calls"], snap["trained_tokens"]) == (2, 8, 1, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_gpu_bench_tiny_on_cpu(tmp_path):
+    out = tmp_path / "gpu"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "gpu_bench.py"), "--tiny", "--algos", "grpo,rloo", "--out", str(out)],
+        capture_output=True, text=True, env=_env(), timeout=560)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((out / "gpu_bench.json").read_text())
+    assert data["meta"]["params"] > 151936 * 64  # the padded Qwen3 vocabulary is in the model
+    assert data["meta"]["settings"]["tiny"] is True
+    rows = {r["name"]: r for r in data["results"]}
+    assert set(rows) == {"grpo", "rloo"}
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        for key in ("step_s", "gen_tokens_per_s", "train_tokens_per_s", "peak_mem_gib", "rounds_per_step",
+                    "time_ratio"):
+            assert key in r, key
+        assert r["step_s"] > 0 and r["gen_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0
+        # 2 prompts x 4 completions, at most 8 tokens each, one generation round per step
+        assert 0 < r["gen_tokens_per_step"] <= 2 * 4 * 8
+        assert r["rounds_per_step"] == 1.0
+    assert rows["grpo"]["time_ratio"] == 1.0
+    table = (out / "gpu_bench.md").read_text()
+    assert "| GRPO (TRL) |" in table and "| RLOO |" in table
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_suite_quick_grpo_and_rloo(tmp_path):
+    out = tmp_path / "suite"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "suite.py"), "--quick", "--only", "rloo", "--out", str(out)],
+        capture_output=True, text=True, env=_env(), timeout=840)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    data = json.loads((out / "suite.json").read_text())
+    for key in ("date", "cpu", "cores", "torch", "trl", "transformers"):
+        assert data["machine"].get(key), key
+    rows = {r["name"]: r for r in data["results"]}
+    assert set(rows) == {"grpo", "rloo"}
+    assert rows["grpo"]["time_ratio"] == 1.0
+    r = rows["rloo"]
+    assert r["status"] == "ok" and r["steps_measured"] == 4
+    assert r["median_step_s"] > 0 and r["time_ratio"] > 0
+    assert r["memory"]["peak_mb"] > r["memory"]["delta_mb"] > 0
+    assert r["verdict"] in ("PASS", "MISS") and r["target"] == "time <= 1.05x"
+    assert len(data["reward_curves"]["rloo"]) == 5  # one logged reward per step (1 warm-up + 4)
+    assert (out / "reward_curves.png").stat().st_size > 1000
+    md = (out / "suite.md").read_text()
+    assert "| RLOO |" in md and "| GRPO (TRL) |" in md
+    assert ("PASS: RLOO" in proc.stdout) or ("MISS: RLOO" in proc.stdout)

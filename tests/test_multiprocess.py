@@ -1,0 +1,65 @@
+"""Two processes on CPU (gloo) with groups split across ranks: REINFORCE++ and RLOO complete, the ranks agree on
+the global advantages and end with identical weights, and the advantages are the pure functions' on the gathered
+rewards, masks and KL. Script: tests/scripts/mp_foundation.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trl_ppo_variants.advantages import reinforce_pp_advantages, rloo_advantages
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 29611  # this test's port (helpers' ranges must not overlap)
+
+
+def launch(model_dir, out_dir):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [
+        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+        "--mixed_precision", "no", "--main_process_port", str(PORT),
+        str(ROOT / "tests" / "scripts" / "mp_foundation.py"), model_dir, str(out_dir),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0 and "MP-FOUNDATION-OK" in proc.stdout, (
+        f"2-process run failed (rc={proc.returncode})\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_split_groups(toy_model_dir, tmp_path):
+    launch(toy_model_dir, tmp_path)
+    for algo in ("reinforce_pp", "rloo"):
+        ranks = [torch.load(tmp_path / f"{algo}_rank{r}.pt", weights_only=False) for r in range(2)]
+        assert [r["world_size"] for r in ranks] == [2, 2], algo
+        assert [r["global_step"] for r in ranks] == [3, 3], algo
+        torch.testing.assert_close(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=0, msg=algo)
+        records = [r["records"] for r in ranks]
+        assert len(records[0]) == len(records[1]) == 3, algo
+        saw_kl = False
+        for step, (rec0, rec1) in enumerate(zip(*records)):
+            where = f"{algo} step {step}"
+            assert rec0["rewards"].shape == (12,) and rec0["group_size"] == 4, where  # group 1 = rows 4-7 split
+            for key in ("rewards", "completion_mask", "kl_in_reward", "advantages"):
+                assert torch.equal(torch.nan_to_num(rec0[key]), torch.nan_to_num(rec1[key])), f"{where}: {key}"
+            kl, mask = rec0["kl_in_reward"], rec0["completion_mask"]
+            saw_kl |= bool(kl.abs().sum() > 0)
+            if algo == "reinforce_pp":
+                expected = reinforce_pp_advantages(rec0["rewards"], mask, kl=kl, kl_coef=0.05)
+            else:
+                expected = rloo_advantages(rec0["rewards"] - 0.05 * kl.sum(1), 4)
+            torch.testing.assert_close(rec0["advantages"], expected, rtol=1e-5, atol=1e-6, msg=where)
+            for rank, rec in enumerate((rec0, rec1)):  # each rank trains on its own contiguous slice
+                local = rec["local_advantages"]
+                global_slice = rec0["advantages"][rank * 6 : (rank + 1) * 6]
+                if global_slice.dim() == 2:
+                    width = rec["local_completion_mask"].shape[1]
+                    assert not global_slice[:, width:].any(), where  # trimmed columns are padding only
+                    global_slice = global_slice[:, :width]
+                assert torch.equal(local, global_slice), f"{where}: rank {rank} slice"
+        assert saw_kl, f"{algo}: the KL in the reward was 0 at every step"

@@ -1,0 +1,229 @@
+"""Every recipe and accelerate config is parsed and validated; each algorithm's recipe runs a few steps on CPU with
+the model and data swapped for the local tiny ones through command-line overrides; slow: 2-process runs of the CLI
+under `accelerate launch` with the DDP, ZeRO-2 and ZeRO-3 configs of recipes/accelerate/."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trl_ppo_variants import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = ROOT / "recipes"
+ACCELERATE = RECIPES / "accelerate"
+RECIPE_ALGOS = ["remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl"]
+CPU = ["--use_cpu", "true", "--bf16", "false"]
+
+
+def _require(algo):
+    if not cli.algorithm_available(algo):
+        pytest.skip(f"trainer module trl_ppo_variants.trainers.{cli.ALGORITHMS[algo].module} is not installed yet")
+
+
+def _recipe(algo) -> dict:
+    return yaml.safe_load((RECIPES / f"{algo}.yaml").read_text())
+
+
+def test_one_recipe_per_algorithm_and_nothing_else():
+    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_ALGOS)
+    assert sorted(cli.ALGORITHMS) == sorted(RECIPE_ALGOS)
+
+
+@pytest.mark.parametrize("algo", RECIPE_ALGOS)
+def test_recipe_states_command_hardware_and_lengths(algo):
+    text = (RECIPES / f"{algo}.yaml").read_text()
+    header = text.split("\n\n")[0]
+    assert f"trl-ppo-variants {algo} --config recipes/{algo}.yaml" in header
+    assert f"-m trl_ppo_variants {algo} --config recipes/{algo}.yaml" in header  # the accelerate form
+    assert "Hardware:" in header and "arXiv" in header
+    recipe = _recipe(algo)
+    assert isinstance(recipe.get("max_completion_length"), int)  # explicit: TRL's default truncates silently
+    assert recipe["model_name_or_path"] == "Qwen/Qwen3-0.6B"
+    assert recipe.get("reward_funcs")
+
+
+@pytest.mark.parametrize("algo", RECIPE_ALGOS)
+def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
+    _require(algo)
+    config_cls, _ = cli.load_algorithm(algo)
+    script, train, model, _ = cli.parse_args(algo, ["--config", str(RECIPES / f"{algo}.yaml"),
+                                                    "--output_dir", str(tmp_path), *CPU])
+    assert type(train) is config_cls
+    recipe = _recipe(algo)
+    for key, value in recipe.items():  # every recipe value reached the dataclass it belongs to, unchanged
+        if key in ("bf16", "output_dir", "env"):
+            continue
+        holder = next(obj for obj in (script, train, model) if hasattr(obj, key))
+        got = getattr(holder, key)
+        got = got.value if hasattr(got, "value") and not isinstance(got, (int, float, str)) else got
+        if isinstance(value, float) or isinstance(got, float):
+            assert got == pytest.approx(float(value)), key
+        else:
+            assert got == value, (key, got, value)
+    for key, value in recipe.items():  # a few of the numbers the issue fixes
+        pass
+    if algo == "dapo":
+        assert (train.num_generations, train.epsilon, train.epsilon_high, train.beta) == (16, 0.2, 0.28, 0.0)
+        assert train.lr_scheduler_type.value == "constant_with_warmup" and train.learning_rate == 1e-6
+        assert train.overlong_penalty and train.dynamic_sampling
+    if algo == "vapo":
+        assert (train.learning_rate, train.critic_learning_rate, train.value_pretrain_steps) == (1e-6, 2e-6, 50)
+        assert (train.lam_critic, train.length_adaptive_alpha, train.positive_lm_coef) == (1.0, 0.05, 0.1)
+    if algo == "ttrl":
+        assert train.lr_scheduler_type.value == "cosine" and train.learning_rate == 5e-7
+        assert train.n_votes == 2 * train.n_train and train.num_generations == train.n_votes
+    if algo == "reinforce_pp_baseline":
+        assert train.baseline and train.kl_loss_estimator == "k2"
+
+
+def test_wrong_field_name_in_a_recipe_is_an_error(tmp_path):
+    bad = tmp_path / "dapo_typo.yaml"
+    bad.write_text((RECIPES / "rloo.yaml").read_text() + "\nnum_generatoins: 8\n")
+    with pytest.raises(cli.CLIError, match="unknown field 'num_generatoins' for rloo .*did you mean 'num_generations'"):
+        cli.parse_args("rloo", ["--config", str(bad), "--output_dir", str(tmp_path), *CPU])
+
+
+# ------------------------------------------------------------------------------------------------ accelerate configs
+ACCELERATE_FILES = ["single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2",
+                    "multi_node_zero3"]
+
+
+def test_accelerate_config_set_is_complete():
+    assert sorted(p.stem for p in ACCELERATE.glob("*.yaml")) == sorted(ACCELERATE_FILES)
+
+
+@pytest.mark.parametrize("name", ACCELERATE_FILES)
+def test_accelerate_config_is_valid(name):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.commands.launch import launch_command_parser
+
+    path = ACCELERATE / f"{name}.yaml"
+    config = ClusterConfig.from_yaml_file(str(path))  # raises on unknown top-level keys
+    raw = yaml.safe_load(path.read_text())
+    launch_dests = {a.dest for a in launch_command_parser()._actions}
+    for section in ("deepspeed_config", "fsdp_config"):
+        for key in raw.get(section) or {}:  # accelerate copies these onto its launch arguments
+            assert key in launch_dests, (name, section, key)
+    ds = raw.get("deepspeed_config") or {}
+    assert "train_batch_size" not in path.read_text().replace("no `train_batch_size`", "").split("#")[0]
+    assert not any("batch" in k for k in ds)  # the trainer fills the batch sizes
+    if name.startswith("zero"):
+        assert config.distributed_type.value == "DEEPSPEED"
+        assert ds["zero_stage"] == int(name[4])
+    if name.startswith("zero3") or name == "multi_node_zero3":
+        assert ds["zero3_save_16bit_model"] is True  # save_model / push_to_hub write a usable checkpoint
+    if name == "zero3_offload":
+        assert ds["offload_optimizer_device"] == "cpu" and ds["offload_param_device"] == "cpu"
+    if name == "fsdp2":
+        assert raw["fsdp_config"]["fsdp_version"] == 2
+    if name == "multi_node_zero3":
+        assert config.num_machines == 2 and config.main_process_ip and config.num_processes == 16
+    if name == "single_gpu":
+        assert config.num_processes == 1
+
+
+def test_accelerate_comments_explain_rl_settings():
+    zero1 = (ACCELERATE / "zero1.yaml").read_text()
+    zero3 = (ACCELERATE / "zero3.yaml").read_text()
+    assert "train_batch_size" in zero1 and "auto" in zero1
+    assert "ds3_gather_for_generation" in zero3
+    assert "vllm_enable_sleep_mode" in zero3 and "colocate" in zero3
+    readme = (RECIPES / "README.md").read_text()
+    assert "trl vllm-serve" in readme and "vllm_mode server" in readme.replace(":", "")
+    assert "--main_process_ip" in readme and "--machine_rank" in readme
+
+
+def test_wrong_key_in_accelerate_config_is_an_error(tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((ACCELERATE / "zero2.yaml").read_text() + "num_proceses: 2\n")
+    with pytest.raises(ValueError, match="num_proceses"):
+        ClusterConfig.from_yaml_file(str(bad))
+
+
+# ------------------------------------------------------------------------------------------------ recipes run on CPU
+def tiny_overrides(algo, model_dir, data, out):
+    """Command-line overrides that swap a real recipe's model and data for the local tiny ones, at toy scale."""
+    args = ["--model_name_or_path", model_dir, "--dataset_name", data, "--dataset_config", "",
+            "--dataset_map", "", "--system_prompt", "", "--prompt_column", "prompt", "--dataset_train_split", "train",
+            "--dtype", "float32", "--output_dir", out, "--max_steps", "2", "--max_completion_length", "4",
+            "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+            "--steps_per_generation", "1", "--gradient_checkpointing", "false", "--save_strategy", "no",
+            "--logging_steps", "1", "--report_to", "none", "--disable_tqdm", "true", *CPU]
+    if algo == "ttrl":  # label-free: keep the recipe's majority vote; the toy "answer" column is only logged
+        args += ["--n_votes", "4", "--n_train", "2"]
+    else:
+        args += ["--reward_funcs", "trl_ppo_variants.toy:addition_reward", "--num_generations", "4"]
+    if algo == "vapo":
+        args += ["--value_pretrain_steps", "1"]
+    return args
+
+
+@pytest.mark.parametrize("algo", RECIPE_ALGOS)
+@pytest.mark.timeout(300)
+def test_recipe_runs_two_steps_on_cpu(tmp_path, toy_model_dir, toy_dataset, algo, capsys):
+    _require(algo)
+    data = tmp_path / "toy.jsonl"
+    toy_dataset.select(range(64)).to_json(str(data))
+    out = tmp_path / "out"
+    code = cli.main([algo, "--config", str(RECIPES / f"{algo}.yaml"),
+                     *tiny_overrides(algo, toy_model_dir, str(data), str(out))])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert f"trained {algo} for 2 steps" in captured.out
+    card = (out / "README.md").read_text()
+    from trl_ppo_variants.model_card import PAPERS
+
+    assert f"trained with **{PAPERS[algo].name}**" in card
+    assert "| `global_step` | 2 |" in card
+    recipe = _recipe(algo)
+    # the recipe's own algorithm settings survived the overrides (they are in the card's hyperparameter table)
+    for key in ("epsilon_high", "beta", "learning_rate", "temperature", "critic_learning_rate", "lam_critic"):
+        if key in recipe and recipe[key] is not None:
+            row = re.search(rf"^\| `{key}` \| (.*) \|$", card, flags=re.M)
+            assert row is not None and float(row.group(1)) == pytest.approx(float(recipe[key])), key
+    assert (out / "model.safetensors").exists()
+    if algo in ("ppo", "vapo"):  # save_value_model: true in the recipe -> the critic is exported next to the policy
+        assert (out / "value_model").is_dir()
+        assert "value_model/" in card
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+def _launch(config, port, algo, model_dir, data, out, extra=()):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [str(ROOT / ".venv/bin/accelerate"), "launch", "--config_file", str(ACCELERATE / f"{config}.yaml"),
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(port),
+           *(["--multi_gpu"] if config == "multi_gpu" else []),
+           "-m", "trl_ppo_variants", algo, "--config", str(RECIPES / f"{algo}.yaml"),
+           *tiny_overrides(algo, model_dir, data, out), "--per_device_train_batch_size", "4", *extra]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config,port,algo,expect", [
+    ("multi_gpu", 29680, "rloo", "2 process(es), MULTI_CPU"),
+    ("zero2", 29681, "dapo", "2 process(es), DEEPSPEED ZeRO-2"),
+    ("zero3", 29682, "reinforce_pp", "2 process(es), DEEPSPEED ZeRO-3"),
+])
+def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, port, algo, expect):
+    """The CLI runs unchanged under `accelerate launch` with the recipes' own accelerate configs (only the process
+    count and mixed precision overridden for CPU): 2 gloo processes, DeepSpeed ZeRO-2/3 on CPU."""
+    _require(algo)
+    data = tmp_path / "toy.jsonl"
+    toy_dataset.select(range(64)).to_json(str(data))
+    out = tmp_path / "out"
+    stdout = _launch(config, port, algo, toy_model_dir, str(data), str(out))
+    assert f"trained {algo} for 2 steps on {expect}" in stdout
+    assert stdout.count(f"trained {algo} for 2 steps") == 1  # printed by the main process only
+    card = (out / "README.md").read_text()
+    assert "| `num_processes` | 2 |" in card
+    assert (out / "model.safetensors").exists()

@@ -1,0 +1,222 @@
+"""The shared row-selection mechanism (`trl_ppo_variants/selection.py`): pure filters on hand-made rewards, and the
+gather / concat / localize moves, with two simulated processes (threads with a real all-gather rendezvous)."""
+
+import threading
+
+import pytest
+import torch
+
+from trl_ppo_variants import selection
+
+PAD = 0
+
+
+# ------------------------------------------------------------------------------------------------ pure decisions
+def test_group_spread_mask_hand_made():
+    rewards = torch.tensor(
+        [
+            1.0, 1.0, 1.0, 1.0,  # all correct: no spread
+            0.0, 1.0, 0.0, 0.0,  # one correct: spread
+            -1.0, -1.0, -1.0, -1.0,  # all wrong (paper's -1): no spread
+            0.3, 0.1 + 0.2, 0.3, 0.3,  # equal up to float noise: an exact `std == 0` test would keep it
+            float("nan"), 1.0, float("nan"), 0.0,  # two scorable rows that differ: spread
+            float("nan"), 1.0, float("nan"), float("nan"),  # one scorable row: no spread
+            float("nan"), float("nan"), float("nan"), float("nan"),
+        ]
+    )
+    assert (0.1 + 0.2) != 0.3  # the noise is real
+    assert selection.group_spread_mask(rewards, 4).tolist() == [False, True, False, False, True, False, False]
+    # eps is a threshold on the sample std: [0, 0.01] has std 0.00707
+    two = torch.tensor([0.0, 0.01])
+    assert selection.group_spread_mask(two, 2, eps=0.007).tolist() == [True]
+    assert selection.group_spread_mask(two, 2, eps=0.0071).tolist() == [False]
+
+
+def test_group_spread_mask_rejects_ragged_batch():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        selection.group_spread_mask(torch.zeros(6), 4)
+
+
+def test_group_rows():
+    assert selection.group_rows(torch.tensor([2, 0]), 3).tolist() == [6, 7, 8, 0, 1, 2]
+    assert selection.group_rows(torch.tensor([], dtype=torch.long), 3).tolist() == []
+
+
+@pytest.mark.parametrize(
+    "G, world, spg, expected",
+    [(4, 2, 1, 1), (4, 2, 4, 2), (3, 2, 1, 2), (2, 2, 4, 4), (16, 8, 16, 8), (5, 1, 1, 1), (6, 4, 3, 2)],
+)
+def test_group_multiple(G, world, spg, expected):
+    m = selection.group_multiple(G, world, spg)
+    assert m == expected
+    assert (m * G) % (world * spg) == 0
+    assert all((k * G) % (world * spg) != 0 for k in range(1, m))  # the smallest such
+
+
+@pytest.mark.parametrize(
+    "kept, multiple, expected",
+    [(5, 2, (4, 0)), (6, 3, (6, 0)), (1, 2, (1, 1)), (0, 3, (0, 3)), (2, 4, (2, 2)), (7, 1, (7, 0))],
+)
+def test_exhausted_group_count(kept, multiple, expected):
+    assert selection.exhausted_group_count(kept, multiple) == expected
+
+
+# ------------------------------------------------------------------------------------------------ simulated world
+class _World:
+    """An all-gather between threads: each rank's tensors are concatenated in rank order."""
+
+    def __init__(self, n):
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n, timeout=20)
+
+    def gather(self, rank, t):
+        self.slots[rank] = t
+        self.barrier.wait()
+        out = torch.cat(list(self.slots), dim=0)
+        self.barrier.wait()
+        return out
+
+
+class _Acc:
+    def __init__(self, world, rank, n):
+        self.world, self.process_index, self.num_processes = world, rank, n
+
+    def gather(self, t):
+        return self.world.gather(self.process_index, t) if self.num_processes > 1 else t
+
+
+def _run_ranks(n, fn):
+    world, results, errors = _World(n), [None] * n, []
+
+    def target(rank):
+        try:
+            results[rank] = fn(_Acc(world, rank, n))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _rollout(prompt_lens, completion_lens, first_id=1):
+    """Rows with left-padded prompts and right-padded completions; token ids are unique and non-zero."""
+    P, T = max(prompt_lens), max(completion_lens)
+    B = len(prompt_lens)
+    out = {
+        "prompt_ids": torch.full((B, P), PAD), "prompt_mask": torch.zeros(B, P, dtype=torch.long),
+        "completion_ids": torch.full((B, T), PAD), "completion_mask": torch.zeros(B, T, dtype=torch.long),
+        "old_per_token_logps": torch.zeros(B, T), "importance_sampling_ratio": torch.ones(B, 1),
+        "advantages": torch.arange(B, dtype=torch.float) + first_id,
+        "num_items_in_batch": torch.tensor(123),
+    }
+    nxt = first_id
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        out["prompt_ids"][i, P - p:] = torch.arange(nxt, nxt + p)
+        out["prompt_mask"][i, P - p:] = 1
+        nxt += p
+        out["completion_ids"][i, :c] = torch.arange(nxt, nxt + c)
+        out["completion_mask"][i, :c] = 1
+        out["old_per_token_logps"][i, :c] = -torch.arange(1, c + 1, dtype=torch.float)
+        nxt += c
+    return out
+
+
+def _strip(row_ids, row_mask):
+    return row_ids[row_mask.bool()].tolist()
+
+
+def test_gather_rollout_two_ranks_pads_to_widest_and_agrees():
+    local = [_rollout([2, 3], [1, 3], first_id=1), _rollout([4, 1], [5, 2], first_id=100)]
+    results = _run_ranks(2, lambda acc: selection.gather_rollout(acc, local[acc.process_index], 2, PAD))
+    g0, g1 = results
+    for key in g0:
+        assert torch.equal(g0[key], g1[key]), key
+    assert "num_items_in_batch" not in g0  # not a row entry
+    assert g0["prompt_ids"].shape == (4, 4) and g0["completion_ids"].shape == (4, 5)
+    assert g0["importance_sampling_ratio"].shape == (4, 1)  # (B, 1) stays (B, 1)
+    # rank 0's rows were re-padded: prompts on the left, completions on the right, and keep their tokens
+    for r, rank in [(0, 0), (1, 0), (2, 1), (3, 1)]:
+        src = local[rank]
+        i = r % 2
+        assert _strip(g0["prompt_ids"][r], g0["prompt_mask"][r]) == _strip(src["prompt_ids"][i], src["prompt_mask"][i])
+        assert _strip(g0["completion_ids"][r], g0["completion_mask"][r]) == _strip(
+            src["completion_ids"][i], src["completion_mask"][i])
+    assert g0["prompt_ids"][0].tolist() == [PAD, PAD, 1, 2] and g0["prompt_mask"][0].tolist() == [0, 0, 1, 1]
+    assert g0["completion_ids"][0].tolist() == [3, PAD, PAD, PAD, PAD]
+    assert g0["old_per_token_logps"][1].tolist() == [-1, -2, -3, 0, 0]
+
+
+def test_concat_rollouts_repads_and_drops_partial_keys():
+    a, b = _rollout([1], [2], 1), _rollout([3, 2], [4, 1], 50)
+    b["sampling_per_token_logps"] = torch.zeros_like(b["old_per_token_logps"])
+    a.pop("num_items_in_batch")
+    b.pop("num_items_in_batch")
+    joined = selection.concat_rollouts([a, b], PAD)
+    assert "sampling_per_token_logps" not in joined  # only in some rounds: cannot be filled in
+    assert joined["prompt_ids"].shape == (3, 3) and joined["completion_ids"].shape == (3, 4)
+    assert joined["prompt_ids"][0].tolist() == [PAD, PAD, 1]
+    assert joined["completion_ids"][0].tolist() == [2, 3, PAD, PAD]
+    assert joined["advantages"].tolist() == [1.0, 50.0, 51.0]
+
+
+def test_localize_rollout_splits_trims_and_counts_tokens():
+    g = _rollout([1, 4, 2, 1], [1, 2, 5, 1], 1)
+    g.pop("num_items_in_batch")
+    keep = torch.tensor([3, 0, 2, 1])
+    results = _run_ranks(2, lambda acc: selection.localize_rollout(acc, g, keep))
+    r0, r1 = results
+    # each rank gets its contiguous share of `keep`, in order
+    assert r0["advantages"].tolist() == [4.0, 1.0] and r1["advantages"].tolist() == [3.0, 2.0]
+    # rank 0 holds rows 3 and 0 (prompts of 1, completions of 1): trimmed to width 1 / 1
+    assert r0["prompt_ids"].shape == (2, 1) and r0["completion_ids"].shape == (2, 1)
+    assert r0["old_per_token_logps"].shape == (2, 1) and r0["importance_sampling_ratio"].shape == (2, 1)
+    assert r1["prompt_ids"].shape == (2, 4) and r1["completion_ids"].shape == (2, 5)
+    # the loss normaliser is global: 1 + 2 + 5 + 1 tokens, the same on both ranks
+    assert r0["num_items_in_batch"].item() == 9 and r1["num_items_in_batch"].item() == 9
+    # widths stay a multiple of pad_to_multiple_of when asked (as TRL pads)
+    r0, _ = _run_ranks(2, lambda acc: selection.localize_rollout(acc, g, keep, pad_to_multiple_of=4))
+    assert r0["prompt_ids"].shape == (2, 4) and r0["completion_ids"].shape == (2, 4)
+
+
+def test_localize_rollout_counts_only_kept_rows_and_tool_mask():
+    g = _rollout([1, 1, 1, 1], [3, 3, 3, 3], 1)
+    g["tool_mask"] = torch.tensor([[1, 0, 1]] * 4)
+    out = _run_ranks(1, lambda acc: selection.localize_rollout(acc, g, torch.tensor([0, 2])))[0]
+    assert out["num_items_in_batch"].item() == 4  # 2 rows x 2 model tokens
+
+
+def test_localize_rollout_refuses_uneven_split():
+    g = _rollout([1, 1, 1], [1, 1, 1], 1)
+    with pytest.raises(ValueError, match="evenly over 2 processes"):
+        selection.localize_rollout(_Acc(None, 0, 2), g, torch.tensor([0, 1, 2]))
+
+
+def test_gather_then_localize_round_trip():
+    local = [_rollout([2, 3, 1], [1, 3, 2], 1), _rollout([4, 1, 2], [5, 2, 1], 100)]
+
+    def step(acc):
+        g = selection.gather_rollout(acc, local[acc.process_index], 3, PAD)
+        return selection.localize_rollout(acc, g, torch.arange(6))
+
+    for rank, out in enumerate(_run_ranks(2, step)):
+        src = local[rank]
+        for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "old_per_token_logps"):
+            assert torch.equal(out[key], src[key]), key
+        assert out["num_items_in_batch"].item() == 14
+
+
+def test_unknown_or_multimodal_keys_are_refused():
+    g = _rollout([1, 1], [1, 1], 1)
+    acc = _Acc(None, 0, 1)
+    with pytest.raises(NotImplementedError, match="how 'mystery' is aligned"):
+        selection.gather_rollout(acc, {**g, "mystery": torch.zeros(2, 3)}, 2, PAD)
+    with pytest.raises(NotImplementedError, match="multimodal"):
+        selection.gather_rollout(acc, {**g, "pixel_values": torch.zeros(7, 3)}, 2, PAD)
+    # a per-row scalar of unknown meaning is fine: it is moved like the rows
+    assert selection.gather_rollout(acc, {**g, "score": torch.ones(2)}, 2, PAD)["score"].tolist() == [1.0, 1.0]

@@ -1,0 +1,84 @@
+"""Fails loudly when TRL moves under us: the private methods we override or call, the attributes we read, and the
+minor series we test against. Each failure message says what changed and where we depend on it."""
+
+import inspect
+
+import pytest
+import trl
+from conftest import toy_args
+from packaging.version import Version
+from trl import GRPOTrainer
+
+from trl_ppo_variants.trainers.base import TRL_PRIVATE_API
+
+TESTED_MINOR = (1, 16)
+
+
+def test_trl_version_is_the_tested_minor_series():
+    version = Version(trl.__version__)
+    assert (version.major, version.minor) == TESTED_MINOR, (
+        f"trl {trl.__version__} is installed but trl_ppo_variants is tested against trl "
+        f"{TESTED_MINOR[0]}.{TESTED_MINOR[1]}.x only: it overrides private GRPOTrainer methods "
+        f"({', '.join(sorted(TRL_PRIVATE_API))}). Re-run the test suite and re-check trainers/base.py before "
+        "widening the pin in pyproject.toml."
+    )
+
+
+@pytest.mark.parametrize("name", sorted(TRL_PRIVATE_API))
+def test_private_method_signature(name):
+    expected = TRL_PRIVATE_API[name]
+    method = getattr(GRPOTrainer, name, None)
+    assert method is not None, f"trl.GRPOTrainer.{name} no longer exists (trl {trl.__version__}); trl_ppo_variants " \
+        "overrides or calls it: see TRL_PRIVATE_API in trl_ppo_variants/trainers/base.py"
+    params = list(inspect.signature(method).parameters)
+    assert tuple(params[: len(expected)]) == expected, (
+        f"trl.GRPOTrainer.{name} changed signature in trl {trl.__version__}: its parameters are now {params}, "
+        f"trl_ppo_variants relies on {list(expected)} (TRL_PRIVATE_API in trl_ppo_variants/trainers/base.py)"
+    )
+
+
+def test_private_api_covers_our_overrides():
+    """Every private GRPOTrainer/Trainer method that our trainers (the base class and every exported trainer)
+    override is guarded above."""
+    import trl_ppo_variants
+
+    classes = [getattr(trl_ppo_variants, name) for name in trl_ppo_variants.__all__ if name.endswith("Trainer")]
+    missing = {}
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass is GRPOTrainer or not issubclass(klass, GRPOTrainer):
+                continue
+            for name, value in vars(klass).items():
+                private = name.startswith("_") and not name.startswith("__")
+                if private and callable(value) and hasattr(GRPOTrainer, name) and name not in TRL_PRIVATE_API:
+                    missing.setdefault(name, klass.__name__)
+    assert not missing, (
+        f"these TRL private methods are overridden ({missing}) but not guarded: add them with their parameters to "
+        "TRL_PRIVATE_API in trl_ppo_variants/trainers/base.py"
+    )
+
+
+def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
+    """Attributes of a built GRPOTrainer the base class reads or writes at run time."""
+    from trl_ppo_variants.toy import addition_reward
+
+    trainer = GRPOTrainer(toy_model_dir, addition_reward, args=toy_args(trl.GRPOConfig, tmp_path),
+                          train_dataset=toy_dataset)
+    for attr in ("beta", "ref_model", "reward_weights", "num_generations", "num_generations_eval", "loss_type",
+                 "max_completion_length", "importance_sampling_level", "_metrics", "_logs", "_tokenizer",
+                 "accelerator"):
+        assert hasattr(trainer, attr), f"GRPOTrainer no longer has `{attr}`; trainers/base.py reads it"
+    assert "advantages" in trainer._logs, "GRPOTrainer._logs['advantages'] is gone; base._log_advantages edits it"
+    assert trainer._logs["advantages"].maxlen is not None
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for needle in ("self._calculate_rewards(", "if self.beta != 0.0:", '"advantages": advantages'):
+        assert needle in source, (
+            f"GRPOTrainer._generate_and_score_completions no longer contains {needle!r}: the seam in "
+            "trainers/base.py (rewards capture, reference toggling, advantage replacement) must be re-checked"
+        )
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    for needle in ('inputs["advantages"]', "self.beta * per_token_kl", "self._get_per_token_logps_and_entropies("):
+        assert needle in source, (
+            f"GRPOTrainer._compute_loss no longer contains {needle!r}: the KL toggling and log-prob capture in "
+            "trainers/base.py must be re-checked"
+        )

@@ -1,0 +1,302 @@
+"""VAPOTrainer: value pre-training (policy frozen, critic learning, resumable), decoupled and length-adaptive GAE,
+the positive-example LM loss, PEFT/LoRA, learning, and 2-process runs under DDP, DeepSpeed ZeRO-2 and ZeRO-3."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import toy_args
+from safetensors import safe_open
+from transformers import TrainerCallback
+
+from trl_ppo_variants.advantages import gae, masked_whiten
+from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.toy import addition_reward
+from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+G = 4
+
+
+def _args(tmp_path, **overrides):
+    return toy_args(VAPOConfig, tmp_path, **{"critic_learning_rate": 1e-3, "value_pretrain_steps": 1, **overrides})
+
+
+def _trainer(model_dir, dataset, tmp_path, reward=addition_reward, callbacks=None, **overrides):
+    return VAPOTrainer(model_dir, reward, args=_args(tmp_path, **overrides), train_dataset=dataset,
+                       callbacks=callbacks)
+
+
+class Snapshots(TrainerCallback):
+    """Policy and critic parameters (cloned) at the start and after every optimizer step."""
+
+    def __init__(self):
+        self.trainer, self.steps = None, {}
+
+    def _take(self, step):
+        model = self.trainer.model
+        self.steps[step] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._take(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._take(state.global_step)
+
+
+def _moved(a, b, critic):
+    return any(not torch.equal(a[n], b[n]) for n in a if n.startswith("critic.") == critic)
+
+
+# ------------------------------------------------------------------------------------------------ config
+def test_defaults_follow_the_paper(tmp_path):
+    args = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    assert (args.epsilon, args.epsilon_high, args.loss_type) == (0.2, 0.28, "dapo")
+    assert (args.value_pretrain_steps, args.lam_critic, args.lam_policy) == (50, 1.0, 0.95)
+    assert (args.length_adaptive_alpha, args.positive_lm_coef) == (0.05, 0.1)
+    assert (args.learning_rate, args.critic_learning_rate) == (1e-6, 2e-6)
+    assert (args.kl_in_reward_coef, args.beta) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("field, value, extra", [
+    ("value_pretrain_steps", -1, {}),
+    ("value_pretrain_steps", 2, {"max_steps": 2}),
+    ("lam_critic", 1.5, {}),
+    ("lam_policy", -0.5, {}),
+    ("length_adaptive_alpha", 0.0, {}),
+    ("positive_lm_coef", -0.1, {}),
+])
+def test_bad_config_is_one_line_error_naming_the_field(tmp_path, field, value, extra):
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        _args(tmp_path, **{field: value, **extra})
+
+
+def test_unknown_positive_reward_func(toy_model_dir, toy_dataset, tmp_path):
+    with pytest.raises(ValueError, match="^positive_reward_func: expected one of the reward function names"):
+        _trainer(toy_model_dir, toy_dataset, tmp_path, positive_reward_func="accuracy")
+
+
+# ------------------------------------------------------------------------------------------------ advantages
+def _synthetic_batch():
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.float32)
+    values = torch.tensor([[0.1, 9, 9, 9], [0.2, 0.3, 9, 9], [0.5, -0.2, 0.4, 0.1], [0.0, 0.6, -0.3, 9]])
+    return {"completion_mask": mask, "old_values": values * mask}, torch.tensor([1.0, 0.0, 1.0, float("nan")])
+
+
+def test_decoupled_length_adaptive_gae(toy_model_dir, toy_dataset, tmp_path):
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, length_adaptive_alpha=0.5)
+    batch, rewards = _synthetic_batch()
+    advantages = trainer.compute_advantages(rewards, batch, G)
+    targets = trainer._targets
+    valid = batch["completion_mask"].clone()
+    valid[3] = 0.0  # the unscorable row has no target and no advantage
+    token_rewards = torch.zeros(4, 4)
+    token_rewards[0, 0], token_rewards[2, 3] = 1.0, 1.0
+    # lam_critic = 1: the critic's targets are the Monte-Carlo returns, i.e. the outcome at every valid token
+    assert torch.equal(targets["returns"], torch.tensor([1.0, 0.0, 1.0, 0.0]).unsqueeze(1) * valid)
+    # policy: lam = 1 - 1 / (0.5 l) for l = 1, 2, 4, 3 -> 0 (clamped), 0, 0.5, 1/3
+    lam = torch.tensor([0.0, 0.0, 0.5, 1.0 / 3.0])
+    expected, _ = gae(token_rewards, batch["old_values"] * valid, valid, gamma=1.0, lam=lam)
+    assert torch.allclose(advantages, masked_whiten(expected, valid), atol=1e-6)
+    # row 1 (lam = 0, reward 0): one-step TD, A_0 = V_1 - V_0 = 0.1, A_1 = 0 - V_1 = -0.3 (before whitening)
+    assert expected[1, :2].tolist() == pytest.approx([0.1, -0.3])
+    # the positive-example targets: reward >= 1 (NaN never), and their token count
+    assert targets["positive"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert targets["num_positive_tokens"].item() == 5.0
+
+    trainer.args.length_adaptive_alpha = None  # decoupled GAE alone: the fixed lam_policy
+    advantages = trainer.compute_advantages(rewards, batch, G)
+    expected, _ = gae(token_rewards, batch["old_values"] * valid, valid, gamma=1.0, lam=0.95)
+    assert torch.allclose(advantages, masked_whiten(expected, valid), atol=1e-6)
+    assert torch.equal(trainer._targets["returns"], torch.tensor([1.0, 0.0, 1.0, 0.0]).unsqueeze(1) * valid)
+
+
+def test_positive_rows_from_total_or_named_reward(toy_model_dir, toy_dataset, tmp_path):
+    def accuracy(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def style(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = VAPOTrainer(toy_model_dir, [accuracy, style], args=_args(tmp_path, reward_weights=[1.0, 0.5]),
+                          train_dataset=toy_dataset)
+    per_func = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [float("nan"), float("nan")]])
+    trainer._captured_rewards_per_func = per_func
+    total = trainer.total_rewards(per_func)  # 1.0, 0.5, 1.5, NaN
+    assert trainer.positive_rows(total).tolist() == [True, False, True, False]
+    trainer.args.positive_reward_func = "style"
+    assert trainer.positive_rows(total).tolist() == [False, True, True, False]
+
+
+# ------------------------------------------------------------------------------------------------ loss
+def test_loss_during_and_after_value_pretraining(toy_model_dir, toy_dataset, tmp_path):
+    def half_correct(completions, **kwargs):
+        return [float(i % 2 == 0) for i in range(len(completions))]
+
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, reward=half_correct, value_pretrain_steps=1,
+                       max_steps=2, vf_coef=0.5)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    batch = trainer._generate_and_score_completions([dict(toy_dataset[i]) for i in range(2) for _ in range(G)])
+    mask = batch["completion_mask"].float()
+    assert batch["positive"].tolist() == [1.0, 0.0] * 4
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+    with torch.no_grad():
+        logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask,
+                                                                 mask.shape[1])
+    value_loss = (0.5 * (batch["old_values"] - batch["returns"]) ** 2 * batch["value_mask"]).sum()
+    value_loss = value_loss / batch["num_items_in_batch"]
+
+    def loss(coef):
+        trainer.args.positive_lm_coef = coef
+        with torch.no_grad():
+            return trainer._compute_loss(trainer.model, batch).item()
+
+    # pre-training: the policy part (PPO loss and NLL) is multiplied by 0
+    assert loss(0.1) == pytest.approx(0.5 * value_loss.item(), abs=1e-6)
+    assert trainer._metrics["train"]["value_pretraining"][-1] == 1.0
+    trainer.state.global_step = 1
+    pos = mask * batch["positive"].unsqueeze(1)
+    nll = (-logps * pos).sum() / pos.sum()  # the paper's token mean over the correct completions
+    assert loss(0.1) - loss(0.0) == pytest.approx(0.1 * nll.item(), rel=1e-4)
+    assert trainer._metrics["train"]["positive/nll"][-1] == pytest.approx(nll.item(), rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ value pre-training
+def test_value_pretraining_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_path):
+    snaps = Snapshots()
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, callbacks=[snaps], max_steps=4, value_pretrain_steps=2,
+                       weight_decay=0.1)
+    snaps.trainer = trainer
+    trainer.train()
+    s = snaps.steps
+    # steps 1-2: the policy is bit-identical (weight decay 0.1 would shrink it otherwise), the critic learns
+    assert not _moved(s[0], s[1], critic=False) and not _moved(s[0], s[2], critic=False)
+    assert _moved(s[0], s[1], critic=True) and _moved(s[1], s[2], critic=True)
+    # after: both learn
+    assert _moved(s[2], s[3], critic=False) and _moved(s[3], s[4], critic=False)
+    assert _moved(s[2], s[3], critic=True)
+    logged = [h["value_pretraining"] for h in trainer.state.log_history if "value_pretraining" in h]
+    assert logged == [1.0, 1.0, 0.0, 0.0]
+    # the policy's Adam state restarted when pre-training ended: 2 steps counted, the critic's 4
+    state = trainer.optimizer.state
+    assert state[trainer.model.model.embed_tokens.weight]["step"].item() == 2
+    assert state[trainer.critic.model.embed_tokens.weight]["step"].item() == 4
+
+
+def test_value_pretraining_counter_survives_resume(toy_model_dir, toy_dataset, tmp_path):
+    class StopAfterOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    run = dict(max_steps=4, value_pretrain_steps=2, save_strategy="steps", save_steps=1)
+    first = _trainer(toy_model_dir, toy_dataset, tmp_path / "a", callbacks=[StopAfterOne()], **run)
+    first.train()
+    assert first.state.global_step == 1
+    snaps = Snapshots()
+    second = _trainer(toy_model_dir, toy_dataset, tmp_path / "b", callbacks=[snaps], **run)
+    snaps.trainer = second
+    second.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-1"))
+    s = snaps.steps
+    assert sorted(s) == [1, 2, 3, 4]
+    assert not _moved(s[1], s[2], critic=False) and _moved(s[1], s[2], critic=True)  # step 2 still pre-trains
+    assert _moved(s[2], s[3], critic=False)
+    assert second.optimizer.state[second.model.model.embed_tokens.weight]["step"].item() == 2
+
+
+# ------------------------------------------------------------------------------------------------ PEFT
+def test_lora_policy_with_full_critic(toy_model_dir, toy_dataset, tmp_path):
+    from peft import LoraConfig
+
+    snaps = Snapshots()
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    run = dict(max_steps=3, value_pretrain_steps=1, save_strategy="steps", save_steps=3)
+    trainer = VAPOTrainer(toy_model_dir, addition_reward, args=_args(tmp_path / "a", **run),
+                          train_dataset=toy_dataset, peft_config=lora, callbacks=[snaps])
+    snaps.trainer = trainer
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert not any("critic" in n and "lora" in n for n in names)  # the LoRA patterns did not catch the critic
+    assert all(p.requires_grad for n, p in trainer.model.named_parameters() if ".critic." in n)
+    trainer.train()
+    s = snaps.steps
+    lora_moved = any(not torch.equal(s[1][n], s[3][n]) for n in names if "lora_" in n)
+    base_moved = any(not torch.equal(s[0][n], s[3][n]) for n in names if "lora_" not in n and ".critic." not in n)
+    assert lora_moved and not base_moved
+    assert all(not torch.equal(s[0][n], s[3][n]) for n in names if ".critic." in n and "norm" not in n)
+
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-3"
+    with safe_open(str(checkpoint / "adapter_model.safetensors"), "pt") as f:
+        assert not any("critic" in k for k in f.keys())
+    assert (checkpoint / "value_model" / "model.safetensors").exists()  # PEFT saves only the adapter
+
+    resumed = VAPOTrainer(toy_model_dir, addition_reward, args=_args(tmp_path / "b", **run),
+                          train_dataset=toy_dataset, peft_config=lora)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    for (name, p), q in zip(trainer.critic.named_parameters(), resumed.critic.parameters()):
+        assert torch.equal(p, q), name
+    trainer.save_model(str(tmp_path / "export"))
+    assert (tmp_path / "export" / "value_model" / "config.json").exists()
+    assert (tmp_path / "export" / "adapter_config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ learning
+LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 60, 1e-3, 0, 0.1
+
+
+@pytest.mark.timeout(180)
+def test_vapo_learns(tmp_path, toy_model_dir):
+    """Seeded: mean sampled reward, last quarter vs first quarter (measured: 0.31 -> 0.46). The toy's completions
+    have at most 4 tokens, so alpha = 1 stands in for the paper's 0.05 (which would give lam_policy = 0, one-step TD
+    from a barely trained critic, for every completion shorter than 20 tokens)."""
+    from trl_ppo_variants.toy import addition_dataset
+
+    args = _args(tmp_path, max_steps=LEARN_STEPS, per_device_train_batch_size=16, learning_rate=LEARN_LR,
+                 temperature=1.0, seed=LEARN_SEED, value_pretrain_steps=5, length_adaptive_alpha=1.0)
+    trainer = VAPOTrainer(toy_model_dir, addition_reward, args=args,
+                          train_dataset=addition_dataset(16 * LEARN_STEPS, seed=LEARN_SEED))
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    k = len(rewards) // 4
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    assert last > first + LEARN_MARGIN, (first, last)
+
+
+# ------------------------------------------------------------------------------------------------ 2 processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend, launch, port", [
+    ("ddp", ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no"], 29643),
+    ("zero2", ["--config_file", str(ROOT / "tests" / "configs" / "critic_zero2.yaml")], 29644),
+    ("zero3", ["--config_file", str(ROOT / "tests" / "configs" / "critic_zero3.yaml")], 29645),
+])
+def test_two_processes(tmp_path, toy_model_dir, backend, launch, port):
+    """3 steps (1 of value pre-training) on 2 CPU processes: finite losses, identical weights on both ranks at every
+    step, the policy untouched by pre-training, a checkpoint holding the critic, an export without it."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *launch, "--num_processes", "2",
+           "--main_process_port", str(port), str(ROOT / "tests" / "scripts" / "critic_two_process.py"),
+           toy_model_dir, str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert ranks[0]["deepspeed_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[backend]
+    assert ranks[0]["steps"] == ranks[1]["steps"]  # the same weights on both ranks, at every step
+    steps = ranks[0]["steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert steps[0]["policy"] == steps[1]["policy"] != steps[2]["policy"] != steps[3]["policy"]
+    assert steps[0]["critic"] != steps[1]["critic"] != steps[2]["critic"]
+    logs = ranks[0]["logs"]
+    assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
+    assert [h["value_pretraining"] for h in logs] == [1.0, 0.0, 0.0]
+    # the policy's optimizer state was found and dropped once, when pre-training ended (at step 2)
+    assert len(ranks[0]["policy_state_entries_reset"]) == 1 and ranks[0]["policy_state_entries_reset"][0] > 0
+    main = ranks[0]
+    assert main["export_keys"] and not any("critic" in k for k in main["export_keys"])
+    assert len(main["value_model_keys"]) == 26  # the critic next to the exported policy
+    assert any(k.startswith("critic.") for k in main["checkpoint_keys"])

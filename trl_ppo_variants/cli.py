@@ -1,0 +1,683 @@
+"""Command line, in TRL's manner: `trl-ppo-variants <algorithm> --config recipe.yaml [--any_field value ...]`.
+
+Built on TRL's own `TrlParser` with `ScriptArguments` (here `VariantScriptArguments`), the algorithm's config class,
+`ModelConfig` and `DatasetMixtureConfig`, exactly as `trl grpo` is: every field can come from the YAML recipe or the
+command line (the command line wins). `python -m trl_ppo_variants ...` is the same program, and it runs unchanged under
+`accelerate launch [--config_file recipes/accelerate/<...>.yaml] -m trl_ppo_variants <algorithm> ...`.
+
+Bad input is reported as one line on stderr naming the thing and what was expected, with exit status 2, and is
+checked cheaply (recipe keys, reward functions, model path, dataset columns) before any model is loaded. A failure
+during training is one line too (exit status 1); set `TRL_PPO_VARIANTS_TRACEBACK=1` to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+
+PROG = "trl-ppo-variants"
+TRACEBACK_ENV = "TRL_PPO_VARIANTS_TRACEBACK"
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    module: str  # under trl_ppo_variants.trainers
+    config: str
+    trainer: str
+    summary: str
+    defaults: tuple = ()  # (field, value) pairs this algorithm name presets (YAML and the command line may not contradict)
+    own_reward: bool = False  # the trainer computes its reward itself (TTRL's majority vote): reward_funcs optional
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    "remax": Algorithm("remax", "ReMaxConfig", "ReMaxTrainer", "ReMax: greedy-decoding baseline (arXiv 2310.10505)"),
+    "rloo": Algorithm("rloo", "RLOOConfig", "RLOOTrainer", "RLOO: leave-one-out baseline (arXiv 2402.14740)"),
+    "reinforce_pp": Algorithm("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
+                              "REINFORCE++: global advantage normalisation, KL in the reward (arXiv 2501.03262)",
+                              (("baseline", False),)),
+    "reinforce_pp_baseline": Algorithm("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
+                                       "REINFORCE++-baseline: group-mean baseline, k2 KL loss (arXiv 2501.03262)",
+                                       (("baseline", True),)),
+    "dapo": Algorithm("dapo", "DAPOConfig", "DAPOTrainer",
+                      "DAPO: clip-higher, dynamic sampling, token-level loss, overlong shaping (arXiv 2503.14476)"),
+    "ppo": Algorithm("ppo", "PPOConfig", "PPOTrainer", "PPO with a learned critic and GAE (arXiv 1707.06347)"),
+    "vapo": Algorithm("vapo", "VAPOConfig", "VAPOTrainer",
+                      "VAPO: value-pretrained, decoupled/length-adaptive GAE PPO (arXiv 2504.05118)"),
+    "ttrl": Algorithm("ttrl", "TTRLConfig", "TTRLTrainer",
+                      "TTRL: label-free RL from majority-vote rewards (arXiv 2504.16084)", own_reward=True),
+}
+
+
+class CLIError(Exception):
+    """Bad input: printed as one line on stderr, exit status 2."""
+
+
+@dataclass
+class VariantScriptArguments:
+    r"""
+    Arguments of the `trl-ppo-variants` command that are not training fields (those are the algorithm's config).
+    Same names as `trl.ScriptArguments` and `trl grpo`'s script arguments where they exist.
+
+    Parameters:
+        dataset_name (`str`, *optional*):
+            A Hub dataset id, or a local path: a JSON/JSONL/Parquet/CSV file, a folder of such files, or a folder
+            written by `Dataset.save_to_disk`. Ignored when `datasets` (a TRL dataset mixture) is given.
+        dataset_config (`str`, *optional*):
+            The dataset configuration (`name` of `datasets.load_dataset`), e.g. `"main"` for GSM8K.
+        dataset_train_split (`str`, *optional*, defaults to `"train"`):
+            Split to train on.
+        dataset_test_split (`str`, *optional*, defaults to `"test"`):
+            Split to evaluate on when `eval_strategy != "no"`.
+        dataset_streaming (`bool`, *optional*, defaults to `False`):
+            Stream the dataset.
+        prompt_column (`str`, *optional*, defaults to `"prompt"`):
+            Column holding the prompts; renamed to `"prompt"`, the column TRL trainers read.
+        system_prompt (`str`, *optional*):
+            When set, every plain-text prompt becomes a conversation `[system, user]` (the chat template is applied).
+        max_train_samples (`int`, *optional*):
+            Keep only the first `max_train_samples` rows of the training split.
+        dataset_map (`str`, *optional*):
+            Preprocessing applied to every row (with `datasets.map`) before the prompt column is read: a built-in
+            name (`"gsm8k"`: `question` -> `prompt`, `answer` -> the number after `####`, the worked solution kept as
+            `solution`) or `"module:function"` taking a row and returning the columns to add or replace.
+        reward_funcs (`list[str]`, *optional*):
+            Reward functions: built-in names of `trl_ppo_variants.rewards`, `"module:function"`, or a dotted import
+            path `"package.module.function"` as in `trl grpo`. A function's arguments without a default (other than
+            `prompts`, `completions`, `completion_ids`) name the dataset columns it needs.
+        reward_model_name_or_path (`str`, *optional*):
+            A sequence-classification reward model (Hub id or local directory), used in addition to `reward_funcs`.
+    """
+
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or folder."}
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. 'main')."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
+    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset."})
+    prompt_column: str = field(
+        default="prompt", metadata={"help": "Column holding the prompts; renamed to 'prompt'."}
+    )
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "Turn plain-text prompts into [system, user] conversations."}
+    )
+    max_train_samples: int | None = field(
+        default=None, metadata={"help": "Keep only the first N rows of the training split."}
+    )
+    dataset_map: str | None = field(
+        default=None,
+        metadata={"help": "Row preprocessing before training: a built-in name ('gsm8k') or 'module:function' "
+                          "(row -> dict of new/changed columns)."},
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: built-in names, 'module:function', or 'package.module.function'."},
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A sequence-classification reward model (Hub id or local directory)."}
+    )
+
+
+# ------------------------------------------------------------------------------------------------- algorithms
+def algorithm_available(name: str) -> bool:
+    """Whether the algorithm's module is installed (cheap: finds the module without importing it)."""
+    return importlib.util.find_spec(f"trl_ppo_variants.trainers.{ALGORITHMS[name].module}") is not None
+
+
+def load_algorithm(name: str):
+    """(config class, trainer class) of an algorithm, or a CLIError naming what is missing."""
+    if name not in ALGORITHMS:
+        close = difflib.get_close_matches(name, ALGORITHMS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise CLIError(f"unknown algorithm '{name}': expected one of {', '.join(ALGORITHMS)}{hint}")
+    spec = ALGORITHMS[name]
+    module_name = f"trl_ppo_variants.trainers.{spec.module}"
+    if not algorithm_available(name):
+        raise CLIError(f"algorithm '{name}' is not available in this installation: module {module_name} is missing")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # a broken or half-installed trainer must not look like a CLI bug
+        raise CLIError(f"algorithm '{name}': importing {module_name} failed: {_one_line(e)}") from e
+    try:
+        return getattr(module, spec.config), getattr(module, spec.trainer)
+    except AttributeError as e:
+        raise CLIError(f"algorithm '{name}': {module_name} does not define {spec.config} and {spec.trainer}") from e
+
+
+def top_level_help() -> str:
+    width = max(len(n) for n in ALGORITHMS)
+    lines = [
+        f"usage: {PROG} <algorithm> [--config RECIPE.yaml] [--field value ...]",
+        f"       python -m trl_ppo_variants <algorithm> ...",
+        "",
+        "Train a causal language model with a PPO-family RL algorithm, as a drop-in TRL trainer.",
+        "",
+        "algorithms:",
+    ]
+    for name, spec in ALGORITHMS.items():
+        note = "" if algorithm_available(name) else f"  [not installed: trl_ppo_variants.trainers.{spec.module}]"
+        lines.append(f"  {name:<{width}}  {spec.summary}{note}")
+    lines += [
+        "",
+        f"Run `{PROG} <algorithm> --help` for every field of that algorithm (its config, TRL's GRPOConfig, ModelConfig",
+        "and the script arguments). Fields can be set in the YAML recipe or on the command line; the command line wins.",
+        "",
+        "examples:",
+        f"  {PROG} dapo --config recipes/dapo.yaml",
+        f"  {PROG} rloo --config recipes/rloo.yaml --learning_rate 2e-6 --output_dir runs/rloo",
+        "  accelerate launch --config_file recipes/accelerate/zero2.yaml -m trl_ppo_variants dapo "
+        "--config recipes/dapo.yaml",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------- parsing
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text if text else type(error).__name__
+
+
+def _make_parser_class():
+    from trl import TrlParser
+
+    class _Parser(TrlParser):
+        """TrlParser whose errors are one-line `CLIError`s instead of argparse's usage block and exit."""
+
+        def error(self, message):
+            raise CLIError(message)
+
+    return _Parser
+
+
+def build_parser(algorithm: str):
+    """The `TrlParser` of an algorithm: script arguments, the algorithm's config, `ModelConfig`, dataset mixture."""
+    from trl import DatasetMixtureConfig, ModelConfig
+
+    config_cls, _ = load_algorithm(algorithm)
+    parser = _make_parser_class()(
+        (VariantScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig),
+        prog=f"{PROG} {algorithm}",
+        description=f"{ALGORITHMS[algorithm].summary}. Every field below can also be set in the --config YAML recipe.",
+    )
+    parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command-line fields override it.")
+    defaults = dict(ALGORITHMS[algorithm].defaults)
+    if defaults:
+        parser.set_defaults(**defaults)
+    return parser
+
+
+def parser_fields(parser) -> set[str]:
+    """Every field name the parser accepts (the `dest` of each option)."""
+    return {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+
+
+def read_recipe(path: str) -> dict:
+    """The YAML mapping of a recipe file, or a CLIError."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise CLIError(f"--config: no such recipe file '{path}' (expected a YAML file)")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise CLIError(f"--config: '{path}' is not valid YAML: {_one_line(e)}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CLIError(f"--config: '{path}' must hold a YAML mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def check_recipe_keys(recipe: dict, fields: set[str], algorithm: str, path: str) -> None:
+    """A wrong field name in a recipe is an error (TRL would pass it on as an unknown argument or ignore it)."""
+    for key in recipe:
+        if key == "env":
+            if not isinstance(recipe["env"], dict):
+                raise CLIError(f"{path}: 'env' must be a mapping of environment variables")
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise CLIError(f"{path}: unknown field '{key}' for {algorithm}{hint}; "
+                           f"run `{PROG} {algorithm} --help` for the fields")
+
+
+def parse_args(algorithm: str, args: list[str]):
+    """Parse a recipe and command-line overrides into (script_args, training_args, model_args, dataset_args)."""
+    parser = build_parser(algorithm)
+    fields = parser_fields(parser)
+    args = list(args)
+    if "--config" in args:
+        i = args.index("--config")
+        if i + 1 >= len(args):
+            raise CLIError("--config: expected the path of a YAML recipe")
+        check_recipe_keys(read_recipe(args[i + 1]), fields, algorithm, args[i + 1])
+    try:
+        *parsed, config_left, cli_left = parser.parse_args_and_config(
+            args, return_remaining_strings=True, separate_remaining_strings=True
+        )
+    except CLIError:
+        raise
+    except (ValueError, TypeError) as e:  # a config's __post_init__ check: already names the field
+        raise CLIError(_one_line(e)) from e
+    left = [a for a in config_left + cli_left if a.startswith("--")] or config_left + cli_left
+    if left:
+        name = left[0].lstrip("-").split("=")[0]
+        close = difflib.get_close_matches(name, fields, n=1)
+        hint = f" (did you mean '--{close[0]}'?)" if close else ""
+        raise CLIError(f"unknown field '{left[0]}' for {algorithm}{hint}; run `{PROG} {algorithm} --help` for the "
+                       "fields")
+    # the namespace of `--config` (declared only for --help; TrlParser consumes it) trails the four dataclasses
+    script_args, training_args, model_args, dataset_args = parsed[:4]
+    for key, value in ALGORITHMS[algorithm].defaults:
+        if getattr(training_args, key) != value:
+            raise CLIError(f"{key}: expected {value} for algorithm '{algorithm}', got {getattr(training_args, key)}"
+                           f" (use another algorithm name instead)")
+    return script_args, training_args, model_args, dataset_args
+
+
+# ------------------------------------------------------------------------------------------------- rewards
+#: arguments TRL passes to every reward function that are not dataset columns
+_TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                    "environments", "environment", "tools"}
+
+
+def _import_function(module_name: str, func_name: str, spec: str):
+    if os.getcwd() not in sys.path:  # `module:function` files next to the recipe, as `trl grpo` allows
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise CLIError(f"reward_funcs: cannot import module '{module_name}' of '{spec}' "
+                       f"(expected 'module:function' importable from the working directory): {_one_line(e)}") from e
+    except Exception as e:
+        raise CLIError(f"reward_funcs: importing module '{module_name}' of '{spec}' failed: {_one_line(e)}") from e
+    func = getattr(module, func_name, None)
+    if func is None or not callable(func):
+        raise CLIError(f"reward_funcs: module '{module_name}' has no function '{func_name}' (from '{spec}')")
+    return func
+
+
+def builtin_reward_names() -> list[str]:
+    """Names of the built-in reward functions (empty when `trl_ppo_variants.rewards` is not installed)."""
+    try:
+        rewards = importlib.import_module("trl_ppo_variants.rewards")
+    except ImportError:
+        return []
+    return sorted(getattr(rewards, "REWARD_FUNCTIONS", {}))
+
+
+def _builtin_kwargs(name: str, training_args) -> dict:
+    """Settings a built-in reward takes from the run: the overlong penalty's lengths (DAPO Eq. 13: the cache is
+    `overlong_cache_length`, else 20% of `max_completion_length`, the paper's 4096 / 20480)."""
+    if name != "overlong" or training_args is None:
+        return {}
+    max_len = int(training_args.max_completion_length)
+    cache = getattr(training_args, "overlong_cache_length", None) or max(1, max_len // 5)
+    return {"max_completion_len": max_len, "soft_punish_cache": int(cache)}
+
+
+def resolve_reward(spec: str, training_args=None):
+    """A reward function from its recipe name: `module:function`, a built-in name, or `package.module.function`."""
+    if not isinstance(spec, str) or not spec:
+        raise CLIError(f"reward_funcs: expected a reward function name, got {spec!r}")
+    if ":" in spec:
+        module_name, func_name = spec.rsplit(":", 1)
+        return _import_function(module_name, func_name, spec)
+    builtins = builtin_reward_names()
+    if spec in builtins:
+        from .rewards import get_reward_function
+
+        try:
+            return get_reward_function(spec, **_builtin_kwargs(spec, training_args))
+        except ValueError as e:
+            raise CLIError(f"reward_funcs: '{spec}': {_one_line(e)}") from e
+    if "." in spec:  # TRL's dotted form, as `trl grpo` accepts
+        module_name, func_name = spec.rsplit(".", 1)
+        return _import_function(module_name, func_name, spec)
+    close = difflib.get_close_matches(spec, builtins, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    expected = f"one of {', '.join(builtins)}" if builtins else "'module:function' (no built-in rewards installed)"
+    raise CLIError(f"reward_funcs: unknown reward function '{spec}'{hint}: expected {expected}, or "
+                   "'module:function'")
+
+
+def required_columns(func) -> list[str]:
+    """Dataset columns a reward function needs: its `required_columns` attribute when it has one, else the
+    parameters without a default that TRL does not supply itself (TRL passes every other column as a keyword)."""
+    explicit = getattr(func, "required_columns", None)
+    if explicit is not None:
+        return list(explicit)
+    column = getattr(func, "column", None)  # `rewards.make_math_accuracy(column=...)` reads its truth from **kwargs
+    if isinstance(column, str):
+        return [column]
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            and p.name not in _TRL_REWARD_ARGS]
+
+
+def _reward_name(func) -> str:
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+# ------------------------------------------------------------------------------------------------- model and data
+def gsm8k(row: dict) -> dict:
+    """openai/gsm8k ("main") -> this package's math format: `question` becomes `prompt`, `answer` (a worked solution
+    ending in `#### 1,234`) becomes the bare final number `1234` that `math_accuracy` compares against; the worked
+    solution is kept as `solution`."""
+    final = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
+    return {"prompt": row["question"], "answer": final, "solution": row["answer"]}
+
+
+#: built-in `dataset_map` names
+DATASET_MAPS = {"gsm8k": gsm8k}
+
+
+def resolve_dataset_map(spec: str):
+    if spec in DATASET_MAPS:
+        return DATASET_MAPS[spec]
+    if ":" in spec:
+        module_name, func_name = spec.rsplit(":", 1)
+        try:
+            return _import_function(module_name, func_name, spec)
+        except CLIError as e:
+            raise CLIError(str(e).replace("reward_funcs:", "dataset_map:", 1)) from None
+    raise CLIError(f"dataset_map: unknown map '{spec}': expected one of {', '.join(DATASET_MAPS)} or "
+                   "'module:function'")
+
+
+_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _looks_local(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~", "."))
+            or name.count("/") > 1
+            or os.path.splitext(name)[1].lower() in _DATA_BUILDERS)
+
+
+def check_model_path(name: str | None, field_name: str = "model_name_or_path") -> None:
+    """Cheap check before anything is loaded: a local directory holding a model, or a Hub id (cached when offline)."""
+    if not name:
+        raise CLIError(f"{field_name}: expected a Hub model id or a local model directory, got nothing "
+                       f"(set it in the recipe or with --{field_name})")
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
+            raise CLIError(f"{field_name}: '{name}' has no config.json (expected a folder written by "
+                           "save_pretrained, or a Hub id)")
+        return
+    if os.path.exists(path):
+        raise CLIError(f"{field_name}: '{name}' is a file (expected a model folder or a Hub id)")
+    if _looks_local(name):
+        raise CLIError(f"{field_name}: no such directory '{name}' (expected a local model folder or a Hub id "
+                       "like 'Qwen/Qwen3-0.6B')")
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if constants.HF_HUB_OFFLINE:
+        cached = try_to_load_from_cache(name, "config.json")
+        if not isinstance(cached, str):
+            raise CLIError(f"{field_name}: '{name}' is not a local folder and not in the Hub cache while "
+                           "HF_HUB_OFFLINE is set (expected a local model folder or a cached Hub model)")
+
+
+def _load_local_dataset(path: str, config: str | None, streaming: bool):
+    from datasets import load_dataset, load_from_disk
+
+    if os.path.isfile(path):
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in _DATA_BUILDERS:
+            raise CLIError(f"dataset_name: '{path}' has extension '{ext}' (expected one of "
+                           f"{', '.join(sorted(_DATA_BUILDERS))})")
+        return load_dataset(_DATA_BUILDERS[ext], data_files=path, streaming=streaming)
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
+        return load_from_disk(path)
+    return load_dataset(path, name=config, streaming=streaming)
+
+
+def load_train_dataset(script_args, dataset_args, training_args):
+    """(train split, eval split or None) with the prompt column named `prompt`; CLIError on anything missing."""
+    from datasets import DatasetDict, IterableDatasetDict
+
+    name = script_args.dataset_name
+    try:
+        if dataset_args.datasets:
+            from trl import get_dataset
+
+            data = get_dataset(dataset_args)
+        elif name is None:
+            raise CLIError("dataset_name: expected a Hub dataset id or a local JSON/JSONL/Parquet/CSV path, got "
+                           "nothing (or give a `datasets` mixture)")
+        else:
+            path = os.path.expanduser(name)
+            if os.path.exists(path):
+                data = _load_local_dataset(path, script_args.dataset_config, script_args.dataset_streaming)
+            elif _looks_local(name):
+                raise CLIError(f"dataset_name: no such file or folder '{name}' (expected a local "
+                               "JSON/JSONL/Parquet/CSV path or a Hub dataset id)")
+            else:
+                from datasets import load_dataset
+
+                data = load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    except CLIError:
+        raise
+    except Exception as e:
+        raise CLIError(f"dataset_name: could not load '{name}': {_one_line(e)}") from e
+
+    if isinstance(data, (DatasetDict, IterableDatasetDict, dict)):
+        split = script_args.dataset_train_split
+        if split not in data:
+            raise CLIError(f"dataset_train_split: '{split}' is not a split of '{name}' (expected one of "
+                           f"{', '.join(data)})")
+        train = data[split]
+        evaluation = None
+        if getattr(training_args, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum
+            test = script_args.dataset_test_split
+            if test not in data:
+                raise CLIError(f"dataset_test_split: '{test}' is not a split of '{name}' (expected one of "
+                               f"{', '.join(data)}, or eval_strategy: no)")
+            evaluation = data[test]
+    else:
+        train, evaluation = data, None
+
+    if script_args.max_train_samples is not None:
+        if script_args.max_train_samples < 1:
+            raise CLIError(f"max_train_samples: expected an integer >= 1, got {script_args.max_train_samples}")
+        train = train.select(range(min(script_args.max_train_samples, len(train)))) if hasattr(train, "select") \
+            else train.take(script_args.max_train_samples)
+    if script_args.dataset_map:
+        row_map = resolve_dataset_map(script_args.dataset_map)
+        train, evaluation = (_apply_map(d, row_map, script_args.dataset_map, name) if d is not None else None
+                             for d in (train, evaluation))
+    train = _prepare_prompts(train, script_args, name)
+    if evaluation is not None:
+        evaluation = _prepare_prompts(evaluation, script_args, name)
+    return train, evaluation
+
+
+def _apply_map(dataset, row_map, spec: str, name: str):
+    columns = dataset.column_names
+    try:
+        if columns is not None and hasattr(dataset, "__len__") and len(dataset):  # fail on the first row with a readable message, not in a worker
+            row_map(dict(dataset[0]))
+        return dataset.map(row_map)
+    except KeyError as e:
+        raise CLIError(f"dataset_map: '{spec}' needs the column {e} which '{name}' does not have (columns: "
+                       f"{', '.join(columns or [])})") from e
+    except Exception as e:
+        raise CLIError(f"dataset_map: '{spec}' failed on '{name}': {type(e).__name__}: {_one_line(e)}") from e
+
+
+def _prepare_prompts(dataset, script_args, name):
+    column = script_args.prompt_column
+    columns = dataset.column_names
+    if columns is not None:
+        if column not in columns:
+            raise CLIError(f"prompt_column: the dataset '{name}' has no column '{column}' (expected a column of "
+                           f"prompts; columns: {', '.join(columns)})")
+        if column != "prompt":
+            if "prompt" in columns:
+                dataset = dataset.remove_columns("prompt")
+            dataset = dataset.rename_column(column, "prompt")
+    if script_args.system_prompt:
+        system = script_args.system_prompt
+
+        def to_chat(row):
+            prompt = row["prompt"]
+            if isinstance(prompt, str):
+                prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
+            return {"prompt": prompt}
+
+        dataset = dataset.map(to_chat)
+    return dataset
+
+
+def check_reward_columns(reward_funcs: list, specs: list[str], dataset, name: str) -> None:
+    columns = dataset.column_names
+    if columns is None:  # a streamed dataset: columns unknown until read; TRL will fail on the first batch
+        return
+    for func, spec in zip(reward_funcs, specs):
+        for col in required_columns(func):
+            if col not in columns:
+                raise CLIError(f"reward_funcs: '{spec}' needs the dataset column '{col}', which '{name}' does not "
+                               f"have (columns: {', '.join(columns)})")
+
+
+# ------------------------------------------------------------------------------------------------- the run
+def _dataset_hub_id(name: str | None) -> str | None:
+    """The dataset name worth putting in a model card (Hub ids only; local paths mean nothing to a reader)."""
+    if not name or os.path.exists(os.path.expanduser(name)) or _looks_local(name):
+        return None
+    return name
+
+
+def prepare(algorithm: str, args: list[str]) -> dict:
+    """Every cheap check and load short of the model: returns what `train` needs. Raises CLIError on bad input."""
+    script_args, training_args, model_args, dataset_args = parse_args(algorithm, args)
+    _, trainer_cls = load_algorithm(algorithm)
+    check_model_path(model_args.model_name_or_path)
+    if script_args.reward_model_name_or_path:
+        check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path")
+    specs = list(script_args.reward_funcs or [])
+    if ALGORITHMS[algorithm].own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
+        specs = [s for s in specs if s != "majority_vote"]
+    reward_funcs = [resolve_reward(s, training_args) for s in specs]
+    if not reward_funcs and not script_args.reward_model_name_or_path and not ALGORITHMS[algorithm].own_reward:
+        raise CLIError("reward_funcs: expected at least one reward function (a built-in name or 'module:function') "
+                       "or reward_model_name_or_path")
+    if model_args.use_peft:
+        try:
+            import peft  # noqa: F401
+        except ImportError:
+            raise CLIError("use_peft: expected the `peft` package to be installed (pip install peft)") from None
+    train, evaluation = load_train_dataset(script_args, dataset_args, training_args)
+    check_reward_columns(reward_funcs, specs, train, script_args.dataset_name)
+    if script_args.reward_model_name_or_path:
+        reward_funcs = [script_args.reward_model_name_or_path] + reward_funcs
+    return dict(script_args=script_args, training_args=training_args, model_args=model_args,
+                trainer_cls=trainer_cls, reward_funcs=reward_funcs, train=train, evaluation=evaluation)
+
+
+def build_trainer(p: dict):
+    from trl import get_peft_config, get_quantization_config
+
+    training_args, model_args = p["training_args"], p["model_args"]
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    if training_args.model_init_kwargs is not None:
+        model_init_kwargs.update(training_args.model_init_kwargs)
+    training_args.model_init_kwargs = model_init_kwargs
+    return p["trainer_cls"](
+        model=model_args.model_name_or_path,
+        reward_funcs=p["reward_funcs"],
+        args=training_args,
+        train_dataset=p["train"],
+        eval_dataset=p["evaluation"],
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+
+
+def _describe_distribution(trainer) -> str:
+    acc = trainer.accelerator
+    text = f"{acc.num_processes} process(es), {acc.distributed_type.value}"
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None:
+        text += f" ZeRO-{plugin.zero_stage}"
+    return text
+
+
+def run(algorithm: str, args: list[str]) -> int:
+    try:
+        p = prepare(algorithm, args)
+        trainer = build_trainer(p)
+    except CLIError:
+        raise
+    except Exception as e:  # everything before the first step is about the input: TRL's own checks included
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        raise CLIError(f"setting up {algorithm} failed: {type(e).__name__}: {_one_line(e)}") from e
+    training_args, script_args = p["training_args"], p["script_args"]
+    trainer.model_card_dataset_name = _dataset_hub_id(script_args.dataset_name)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.create_model_card(dataset_name=trainer.model_card_dataset_name)
+    trainer.accelerator.print(f"{PROG}: trained {algorithm} for {trainer.state.global_step} steps on "
+                              f"{_describe_distribution(trainer)}; model and model card saved to "
+                              f"{training_args.output_dir}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=trainer.model_card_dataset_name)
+        trainer.accelerator.print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
+    if hasattr(trainer, "end"):
+        trainer.end()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(top_level_help())
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"{PROG} {__version__}")
+        return 0
+    algorithm, rest = argv[0], argv[1:]
+    try:
+        if algorithm.startswith("-"):
+            raise CLIError(f"expected an algorithm first ({', '.join(ALGORITHMS)}), got '{algorithm}'")
+        if any(a in ("-h", "--help") for a in rest):
+            build_parser(algorithm).print_help()
+            return 0
+        return run(algorithm, rest)
+    except CLIError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"{PROG}: error: training {algorithm} failed: {type(e).__name__}: {_one_line(e)} "
+              f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

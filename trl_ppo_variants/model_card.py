@@ -1,0 +1,372 @@
+"""Model cards that name the algorithm a model was trained with, its paper and the run's numbers.
+
+TRL's `GRPOTrainer.create_model_card` would say "trained with GRPO" and cite DeepSeekMath for every trainer of this
+package (they all subclass it). `VariantTrainer.create_model_card` calls `create_model_card` below instead, so the card
+written to `output_dir/README.md` (at every checkpoint, at the end of a CLI run, and by `push_to_hub`, which uploads
+`output_dir` as TRL does) names the right algorithm, links and cites its paper, lists the hyperparameters that define
+the run and the final metrics, and says it was trained with this package.
+
+Everything but `create_model_card` is pure (no trainer, no network) so the card's content is tested offline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import textwrap
+from dataclasses import dataclass
+
+PACKAGE_NAME = "trl-ppo-variants"
+
+
+@dataclass(frozen=True)
+class Paper:
+    name: str  # how the algorithm is written in prose
+    title: str
+    arxiv_id: str
+    bibtex: str
+
+    @property
+    def url(self) -> str:
+        return f"https://arxiv.org/abs/{self.arxiv_id}"
+
+
+_REINFORCE_PP = Paper(
+    name="REINFORCE++",
+    title="REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
+    arxiv_id="2501.03262",
+    bibtex=textwrap.dedent("""\
+        @article{hu2025reinforce,
+            title   = {{REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models}},
+            author  = {Jian Hu},
+            journal = {arXiv preprint arXiv:2501.03262},
+            year    = {2025}
+        }"""),
+)
+
+#: algorithm name (as on the command line) -> its paper
+PAPERS: dict[str, Paper] = {
+    "remax": Paper(
+        name="ReMax",
+        title="ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large Language "
+        "Models",
+        arxiv_id="2310.10505",
+        bibtex=textwrap.dedent("""\
+            @inproceedings{li2024remax,
+                title     = {{ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large Language Models}},
+                author    = {Ziniu Li and Tian Xu and Yushun Zhang and Zhihang Lin and Yang Yu and Ruoyu Sun and Zhi-Quan Luo},
+                booktitle = {Proceedings of the 41st International Conference on Machine Learning (ICML)},
+                year      = {2024},
+                eprint    = {arXiv:2310.10505}
+            }"""),
+    ),
+    "rloo": Paper(
+        name="RLOO",
+        title="Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
+        arxiv_id="2402.14740",
+        bibtex=textwrap.dedent("""\
+            @inproceedings{ahmadian2024back,
+                title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs}},
+                author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'{e}} and Marzieh Fadaee and Julia Kreutzer and Olivier Pietquin and Ahmet {\\"{U}}st{\\"{u}}n and Sara Hooker},
+                booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational Linguistics (ACL)},
+                year      = {2024},
+                pages     = {12248--12267},
+                eprint    = {arXiv:2402.14740}
+            }"""),
+    ),
+    "reinforce_pp": _REINFORCE_PP,
+    "reinforce_pp_baseline": dataclasses.replace(_REINFORCE_PP, name="REINFORCE++-baseline"),
+    "dapo": Paper(
+        name="DAPO",
+        title="DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+        arxiv_id="2503.14476",
+        bibtex=textwrap.dedent("""\
+            @article{yu2025dapo,
+                title   = {{DAPO: An Open-Source LLM Reinforcement Learning System at Scale}},
+                author  = {Qiying Yu and Zheng Zhang and Ruofei Zhu and Yufeng Yuan and Xiaochen Zuo and Yu Yue and others},
+                journal = {arXiv preprint arXiv:2503.14476},
+                year    = {2025}
+            }"""),
+    ),
+    "ppo": Paper(
+        name="PPO",
+        title="Proximal Policy Optimization Algorithms",
+        arxiv_id="1707.06347",
+        bibtex=textwrap.dedent("""\
+            @article{schulman2017proximal,
+                title   = {{Proximal Policy Optimization Algorithms}},
+                author  = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
+                journal = {arXiv preprint arXiv:1707.06347},
+                year    = {2017}
+            }"""),
+    ),
+    "vapo": Paper(
+        name="VAPO",
+        title="VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks",
+        arxiv_id="2504.05118",
+        bibtex=textwrap.dedent("""\
+            @article{yue2025vapo,
+                title   = {{VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks}},
+                author  = {Yu Yue and Yufeng Yuan and Qiying Yu and Xiaochen Zuo and Ruofei Zhu and Wenyuan Xu and others},
+                journal = {arXiv preprint arXiv:2504.05118},
+                year    = {2025}
+            }"""),
+    ),
+    "ttrl": Paper(
+        name="TTRL",
+        title="TTRL: Test-Time Reinforcement Learning",
+        arxiv_id="2504.16084",
+        bibtex=textwrap.dedent("""\
+            @article{zuo2025ttrl,
+                title   = {{TTRL: Test-Time Reinforcement Learning}},
+                author  = {Yuxin Zuo and Kaiyan Zhang and Li Sheng and Shang Qu and Ganqu Cui and Xuekai Zhu and Haozhan Li and Yuchen Zhang and Xinwei Long and Ermo Hua and Biqing Qi and Youbang Sun and Zhiyuan Ma and Lifan Yuan and Ning Ding and Bowen Zhou},
+                journal = {arXiv preprint arXiv:2504.16084},
+                year    = {2025}
+            }"""),
+    ),
+}
+
+# trainer class name -> algorithm (the most derived class of this package in a user's subclass's MRO wins)
+_TRAINER_ALGORITHMS = {
+    "ReMaxTrainer": "remax",
+    "RLOOTrainer": "rloo",
+    "ReinforcePPTrainer": "reinforce_pp",
+    "DAPOTrainer": "dapo",
+    "PPOTrainer": "ppo",
+    "VAPOTrainer": "vapo",
+    "TTRLTrainer": "ttrl",
+}
+
+# The fields that define an RL run whatever the algorithm, in the order a reader wants them. Fields declared by this
+# package's configs (above `GRPOConfig`) are listed too: they are what distinguishes the algorithm.
+_CORE_FIELDS = (
+    "learning_rate", "lr_scheduler_type", "warmup_ratio", "warmup_steps", "weight_decay", "max_grad_norm",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "generation_batch_size",
+    "steps_per_generation", "num_iterations", "max_completion_length", "temperature", "top_p", "top_k",
+    "loss_type", "epsilon", "epsilon_high", "beta", "scale_rewards", "reward_weights", "mask_truncated_completions",
+    "num_train_epochs", "max_steps", "bf16", "seed", "use_vllm", "vllm_mode",
+)
+
+# Final metrics worth a line in the card (the last logged value of each); any `rewards/<name>/mean` is added.
+_METRIC_KEYS = (
+    "reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio",
+    "kl", "kl_in_reward", "entropy", "clip_ratio/region_mean", "value_loss", "loss", "train_loss", "train_runtime",
+    "train_steps_per_second",
+)
+
+
+def algorithm_of(trainer_or_cls, args=None) -> str | None:
+    """The algorithm name (as on the command line) of a trainer instance or class, or None for foreign trainers.
+
+    `ReinforcePPTrainer` with `args.baseline = True` is REINFORCE++-baseline, a distinct row in the paper.
+    """
+    cls = trainer_or_cls if isinstance(trainer_or_cls, type) else type(trainer_or_cls)
+    if args is None and not isinstance(trainer_or_cls, type):
+        args = getattr(trainer_or_cls, "args", None)
+    for klass in cls.__mro__:
+        algo = _TRAINER_ALGORITHMS.get(klass.__name__)
+        if algo is not None:
+            if algo == "reinforce_pp" and getattr(args, "baseline", False):
+                return "reinforce_pp_baseline"
+            return algo
+    return None
+
+
+def run_hyperparameters(args, num_processes: int = 1) -> dict:
+    """The hyperparameters of a run: `_CORE_FIELDS`, then every field this package adds above `GRPOConfig`, then the
+    effective batch. `args` is a config instance (any `GRPOConfig` subclass)."""
+    from trl import GRPOConfig
+
+    grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for name in _CORE_FIELDS:
+        if hasattr(args, name):
+            out[name] = getattr(args, name)
+    for f in dataclasses.fields(args):
+        if f.name not in grpo_fields and not f.name.startswith("_"):
+            out[f.name] = getattr(args, f.name)
+    batch = getattr(args, "per_device_train_batch_size", None)
+    accumulation = getattr(args, "gradient_accumulation_steps", None)
+    if batch and accumulation:
+        out["num_processes"] = num_processes
+        out["completions_per_optimizer_step"] = batch * accumulation * num_processes
+    return out
+
+
+def final_metrics(log_history: list[dict]) -> dict:
+    """The last logged value of each metric worth reporting, from `trainer.state.log_history`. Non-finite and
+    non-numeric values are kept out (a card says what was measured, not NaN placeholders)."""
+    last: dict = {}
+    for entry in log_history:
+        for key, value in entry.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            if not math.isfinite(value):
+                continue
+            last[key] = value
+    keys = [k for k in _METRIC_KEYS if k in last]
+    keys += sorted(k for k in last if k.startswith("rewards/") and k.endswith("/mean") and k not in keys)
+    out = {k: last[k] for k in keys}
+    if "step" in last:
+        out["global_step"] = int(last["step"])
+    return out
+
+
+def _fmt(value) -> str:
+    import enum
+
+    if isinstance(value, enum.Enum):  # TrainingArguments keeps e.g. SchedulerType.LINEAR
+        value = value.value
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_model_card(
+    algorithm: str | None,
+    hyperparameters: dict,
+    metrics: dict,
+    model_name: str | None = None,
+    base_model: str | None = None,
+    dataset_name: str | None = None,
+    hub_model_id: str | None = None,
+    tags: list[str] | None = None,
+    paper: Paper | None = None,
+    value_model_dir: str | None = None,
+) -> str:
+    """The card's text (YAML front matter + Markdown). `paper` overrides the one of `algorithm` (foreign trainers)."""
+    from huggingface_hub import ModelCardData
+
+    from . import __version__
+
+    paper = paper or PAPERS.get(algorithm or "")
+    algo_name = paper.name if paper is not None else (algorithm or "an RL algorithm")
+    all_tags = ["generated_from_trainer", "trl", PACKAGE_NAME]
+    if algorithm:
+        all_tags.append(algorithm.replace("_", "-"))
+    for tag in tags or []:
+        if tag not in all_tags:
+            all_tags.append(tag)
+    card_data = ModelCardData(
+        base_model=base_model,
+        datasets=[dataset_name] if dataset_name else None,
+        library_name="transformers",
+        model_name=model_name,
+        tags=all_tags,
+    )
+    title = model_name or "this model"
+    lines = ["---", card_data.to_yaml(), "---", "", f"# Model Card for {title}", ""]
+    source = f"[{base_model}](https://huggingface.co/{base_model})" if base_model else "a causal language model"
+    data = f" on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset" if dataset_name else ""
+    lines.append(f"This model is a fine-tuned version of {source}{data}, trained with **{algo_name}**"
+                 + (f", the method of [{paper.title}]({paper.url})" if paper else "") + ".")
+    lines.append(f"It has been trained with `{PACKAGE_NAME}` {__version__}, which runs {algo_name} "
+                 "as a drop-in trainer of [TRL](https://github.com/huggingface/trl).")
+    if value_model_dir:
+        lines += ["", f"The value model (critic) trained alongside the policy is saved in `{value_model_dir}/`."]
+    repo = hub_model_id or model_name or "path/to/model"
+    lines += [
+        "", "## Quick start", "", "```python", "from transformers import pipeline", "",
+        f'generator = pipeline("text-generation", model="{repo}")',
+        'print(generator([{"role": "user", "content": "What is 12 * 7?"}], max_new_tokens=256, '
+        'return_full_text=False)[0]["generated_text"])',
+        "```", "", "## Training procedure", "",
+        f"Algorithm: **{algo_name}**" + (f" ([arXiv:{paper.arxiv_id}]({paper.url}))" if paper else "") + ".", "",
+        "### Training hyperparameters", "", "| Parameter | Value |", "|---|---|",
+    ]
+    lines += [f"| `{k}` | {_md_cell(_fmt(v))} |" for k, v in hyperparameters.items()]
+    lines += ["", "### Final metrics", ""]
+    if metrics:
+        lines += ["| Metric | Value |", "|---|---|"]
+        lines += [f"| `{k}` | {_md_cell(_fmt(v))} |" for k, v in metrics.items()]
+    else:
+        lines.append("No metrics were logged.")
+    lines += ["", "### Framework versions", ""]
+    lines += [f"- {name}: {ver}" for name, ver in _framework_versions().items()]
+    lines += ["", "## Citations", ""]
+    if paper:
+        lines += [f"Cite {algo_name} as:", "", "```bibtex", paper.bibtex, "```", ""]
+    lines += [
+        "Cite TRL as:", "", "```bibtex",
+        "@software{vonwerra2020trl,",
+        "    title   = {{TRL: Transformers Reinforcement Learning}},",
+        "    author  = {von Werra, Leandro and Belkada, Younes and Tunstall, Lewis and Beeching, Edward and Thrush, "
+        "Tristan and Lambert, Nathan and Huang, Shengyi and Rasul, Kashif and Gallou{\\'e}dec, Quentin},",
+        "    license = {Apache-2.0},",
+        "    url     = {https://github.com/huggingface/trl},",
+        "    year    = {2020}",
+        "}", "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def _framework_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, dist in (("trl-ppo-variants", "trl-ppo-variants"), ("TRL", "trl"), ("Transformers", "transformers"),
+                       ("PyTorch", "torch"), ("Datasets", "datasets"), ("Tokenizers", "tokenizers")):
+        try:
+            out[name] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def create_model_card(trainer, model_name: str | None = None, dataset_name: str | None = None,
+                      tags: str | list[str] | None = None) -> str | None:
+    """Write the card of `trainer`'s run to `trainer.args.output_dir/README.md` (main process only); return the path.
+
+    Same signature as TRL's `create_model_card`, so `Trainer.push_to_hub` and `_save_checkpoint` call it unchanged.
+    """
+    if not trainer.is_world_process_zero():
+        return None
+    from trl.trainer.utils import get_config_model_id
+
+    model = trainer.model
+    config = getattr(model, "config", None)
+    name_or_path = get_config_model_id(config) if config is not None else None
+    # TRL's rule: a Hub id is a base model worth linking, a local directory is not
+    base_model = name_or_path if name_or_path and not os.path.isdir(name_or_path) else None
+    if isinstance(tags, str):
+        tags = [tags]
+    tags = list(tags or []) + [t for t in getattr(trainer, "_tag_names", []) if t not in (tags or [])]
+    dataset_name = dataset_name or getattr(trainer, "model_card_dataset_name", None)
+    algorithm = algorithm_of(trainer)
+    paper = None
+    if algorithm is None and getattr(trainer, "_paper", None):  # a foreign subclass that declares its own paper
+        p = trainer._paper
+        paper = Paper(name=getattr(trainer, "_name", "RL"), title=p.get("title", ""), arxiv_id=p.get("id", ""),
+                      bibtex=p.get("citation", ""))
+    value_model_dir = None
+    if getattr(trainer.args, "save_value_model", False):  # PPO/VAPO: the critic saved next to the policy, if it is
+        try:
+            from .critic import VALUE_MODEL_DIR
+        except ImportError:
+            VALUE_MODEL_DIR = "value_model"
+        if os.path.isdir(os.path.join(trainer.args.output_dir, VALUE_MODEL_DIR)):
+            value_model_dir = VALUE_MODEL_DIR
+    text = render_model_card(
+        algorithm,
+        run_hyperparameters(trainer.args, trainer.accelerator.num_processes),
+        final_metrics(trainer.state.log_history),
+        model_name=model_name or os.path.basename(os.path.normpath(trainer.args.output_dir)),
+        base_model=base_model,
+        dataset_name=dataset_name,
+        hub_model_id=getattr(trainer, "hub_model_id", None),
+        tags=tags,
+        paper=paper,
+        value_model_dir=value_model_dir,
+    )
+    os.makedirs(trainer.args.output_dir, exist_ok=True)
+    path = os.path.join(trainer.args.output_dir, "README.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

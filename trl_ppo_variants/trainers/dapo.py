@@ -1,0 +1,475 @@
+"""DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., arXiv 2503.14476)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import gather_object
+from trl import GRPOTrainer
+from trl.rewards import get_soft_overlong_punishment
+
+from .. import selection
+from ..advantages import grpo_advantages
+from .base import VariantConfig, VariantTrainer, check
+
+OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"  # the __name__ of TRL's soft overlong punishment
+
+
+@dataclass
+class DAPOConfig(VariantConfig):
+    r"""
+    Configuration for [`DAPOTrainer`]: [`~trl.GRPOConfig`] with DAPO's defaults (arXiv 2503.14476) and its two
+    data-side techniques, dynamic sampling and overlong reward shaping.
+
+    Parameters:
+        epsilon (`float`, *optional*, defaults to `0.2`):
+            Lower clip range (Clip-Higher, Eq. 10: `epsilon_low`).
+        epsilon_high (`float`, *optional*, defaults to `0.28`):
+            Upper clip range (Clip-Higher: decoupled from `epsilon`).
+        beta (`float`, *optional*, defaults to `0.0`):
+            KL loss coefficient; DAPO removes the KL term.
+        loss_type (`str`, *optional*, defaults to `"dapo"`):
+            Token-level policy-gradient loss (Eq. 12): sum over every token of the batch / number of tokens.
+        dynamic_sampling (`bool`, *optional*, defaults to `True`):
+            Drop the groups whose `filter_metric` has no spread (all completions equally right or wrong) and refill
+            the batch with groups of fresh prompts until it holds as many groups as a generation batch
+            (`generation_batch_size // num_generations`). Training only; evaluation is plain GRPO.
+        filter_metric (`str`, *optional*, defaults to `"reward"`):
+            What must vary within a group for it to be kept. `"reward"`: the weighted sum of the task reward
+            functions, *without* the overlong shaping term (the paper filters on accuracy, before shaping). Or the
+            name of one reward function (its raw value), e.g. `"accuracy_reward"`.
+        filter_std_eps (`float`, *optional*, defaults to `1e-6`):
+            A group is kept when the sample std of its `filter_metric` is > this (not `== 0`: float noise).
+        max_generation_rounds (`int`, *optional*, defaults to `10`):
+            Generation rounds per step at most (the first round plus refills). `0` means unlimited, as in the paper,
+            which loops forever on a data set where no group ever has a spread. When the limit is reached without a
+            full batch, the step trains on the groups it has (see [`DAPOTrainer`]).
+        refill_num_prompts (`int`, *optional*):
+            Prompts drawn per refill round. `None`: a generation batch's worth (`generation_batch_size //
+            num_generations`). `refill_num_prompts * num_generations` must split evenly over the processes.
+        overlong_penalty (`bool`, *optional*, defaults to `True`):
+            Add the soft overlong punishment (Eq. 13, `trl.rewards.get_soft_overlong_punishment` with
+            `L_max = max_completion_length`) to the reward, as an extra reward function of weight 1 named
+            `soft_overlong_punishment_reward` (so it is logged like TRL's reward functions).
+        overlong_cache_length (`int`, *optional*):
+            `L_cache` of Eq. 13, in tokens, in `[0, max_completion_length)`. `None`: 20% of `max_completion_length`
+            (rounded down), the paper's 4096 / 20480.
+    """
+
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clip range (Clip-Higher epsilon_low)."})
+    epsilon_high: float | None = field(default=0.28, metadata={"help": "Upper clip range (Clip-Higher)."})
+    beta: float = field(default=0.0, metadata={"help": "KL loss coefficient; DAPO uses none."})
+    loss_type: str = field(default="dapo", metadata={"help": "Token-level loss: sum over tokens / number of tokens."})
+    dynamic_sampling: bool = field(
+        default=True, metadata={"help": "Drop groups without reward spread and refill the batch with fresh prompts."}
+    )
+    filter_metric: str = field(
+        default="reward",
+        metadata={"help": "'reward' (weighted task reward, without overlong shaping) or a reward function name."},
+    )
+    filter_std_eps: float = field(
+        default=1e-6, metadata={"help": "Keep a group when the std of its filter metric is > this."}
+    )
+    max_generation_rounds: int = field(
+        default=10, metadata={"help": "Generation rounds per step at most (first + refills); 0 = unlimited."}
+    )
+    refill_num_prompts: int | None = field(
+        default=None, metadata={"help": "Prompts per refill round; None = generation_batch_size // num_generations."}
+    )
+    overlong_penalty: bool = field(
+        default=True, metadata={"help": "Add the soft overlong punishment (DAPO Eq. 13) to the reward."}
+    )
+    overlong_cache_length: int | None = field(
+        default=None, metadata={"help": "L_cache in tokens; None = 20% of max_completion_length."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        check(self.filter_std_eps >= 0, "filter_std_eps", "a number >= 0", self.filter_std_eps)
+        check(isinstance(self.max_generation_rounds, int) and self.max_generation_rounds >= 0,
+              "max_generation_rounds", "an integer >= 0 (0 = unlimited)", self.max_generation_rounds)
+        if self.refill_num_prompts is not None:
+            check(isinstance(self.refill_num_prompts, int) and self.refill_num_prompts >= 1, "refill_num_prompts",
+                  "None or an integer >= 1", self.refill_num_prompts)
+        check(isinstance(self.filter_metric, str) and self.filter_metric != "", "filter_metric",
+              "'reward' or the name of a reward function", self.filter_metric)
+        check(self.kl_in_reward_coef == 0, "kl_in_reward_coef",
+              "0 (DAPO has no KL in the reward; use beta for a KL loss term)", self.kl_in_reward_coef)
+        if self.overlong_penalty:
+            check(isinstance(self.max_completion_length, int) and self.max_completion_length >= 1,
+                  "max_completion_length", "an integer >= 1 when overlong_penalty is on", self.max_completion_length)
+            if self.overlong_cache_length is not None:
+                check(isinstance(self.overlong_cache_length, int)
+                      and 0 <= self.overlong_cache_length < self.max_completion_length,
+                      "overlong_cache_length", f"None or an integer in [0, {self.max_completion_length})",
+                      self.overlong_cache_length)
+
+    @property
+    def effective_overlong_cache_length(self) -> int:
+        """`L_cache` in tokens: the configured one, else 20% of `max_completion_length` (paper: 4096 / 20480)."""
+        if self.overlong_cache_length is not None:
+            return self.overlong_cache_length
+        return self.max_completion_length // 5
+
+
+# ----------------------------------------------------------------------------------------------- refill prompts
+class RefillSampler:
+    """Seeded, resumable stream of dataset indices for the refill rounds of dynamic sampling.
+
+    Independent of TRL's `RepeatSampler` (whose position the `Trainer` owns): epoch `e` is a permutation seeded with
+    `seed` and `e` (offset so it never replays the main sampler's order), walked in order. The position (epoch,
+    offset) is all the state: `state_dict` / `load_state_dict` save and restore it with checkpoints.
+
+    `draw` skips prompts whose key is in `seen` (the prompts already sampled in this step), so a refill brings
+    *fresh* prompts; it gives up skipping after one data set's worth of skips (a data set with fewer distinct prompts
+    than a step needs), so it always returns `k` indices.
+    """
+
+    SEED_OFFSET = 1_000_003
+
+    def __init__(self, num_rows: int, seed: int, shuffle: bool = True):
+        if num_rows < 1:
+            raise ValueError("dynamic sampling needs a non-empty train_dataset")
+        self.num_rows, self.seed, self.shuffle = num_rows, int(seed), shuffle
+        self.epoch, self.offset = 0, 0
+        self._perm_epoch, self._perm = None, None
+
+    def _order(self) -> list[int]:
+        if self._perm_epoch != self.epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed + self.SEED_OFFSET * (self.epoch + 1))
+                self._perm = torch.randperm(self.num_rows, generator=g).tolist()
+            else:
+                self._perm = list(range(self.num_rows))
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _next(self) -> int:
+        if self.offset >= self.num_rows:
+            self.epoch, self.offset = self.epoch + 1, 0
+        index = self._order()[self.offset]
+        self.offset += 1
+        return index
+
+    def draw(self, k: int, key=None, seen: set | None = None) -> list[int]:
+        """Next `k` indices, skipping those with `key(index) in seen` (and adding the drawn keys to `seen`)."""
+        out, skipped = [], 0
+        while len(out) < k:
+            index = self._next()
+            if key is not None and seen is not None:
+                k_ = key(index)
+                if k_ in seen and skipped < self.num_rows:
+                    skipped += 1
+                    continue
+                seen.add(k_)
+            out.append(index)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset, "num_rows": self.num_rows}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_rows", self.num_rows) != self.num_rows:
+            warnings.warn(f"DAPO refill sampler: the checkpoint was saved for a data set of {state['num_rows']} rows, "
+                          f"this one has {self.num_rows}; restoring the position anyway", stacklevel=2)
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+# ----------------------------------------------------------------------------------------------- batch assembly
+class GroupAccumulator:
+    """Assembles one dynamic-sampling batch from successive generation rounds (pure: no process group).
+
+    Each round is a global rollout (rows in TRL's layout: the `G` completions of a prompt consecutive) with its
+    gathered rewards and filter values. The groups with a spread are kept in order until `target_groups` are held; the
+    surplus of the last round is trimmed. A few dropped groups are remembered as placeholders for the exhaustion path
+    (`selection.exhausted_group_count`). Nothing is ever duplicated.
+    """
+
+    def __init__(self, target_groups: int, group_size: int, multiple: int = 1, eps: float = 1e-6):
+        self.target, self.G, self.multiple, self.eps = target_groups, group_size, multiple, eps
+        self.parts, self.rewards, self.positions = [], [], []  # kept groups, in order
+        self.spare_parts, self.spare_rewards, self.spare_positions = [], [], []
+        self.num_kept = self.num_spare = 0
+        self.rounds = self.groups_generated = self.dropped_correct = self.dropped_wrong = 0
+        self.rows_seen = 0
+
+    @property
+    def full(self) -> bool:
+        return self.num_kept >= self.target
+
+    def add_round(self, rollout: dict, rewards_per_func: torch.Tensor, filter_values: torch.Tensor) -> None:
+        """rollout: global dict of (N, ...) tensors; rewards_per_func: (N, F); filter_values: (N,)."""
+        G, n = self.G, filter_values.shape[0]
+        spread = selection.group_spread_mask(filter_values, G, self.eps)
+        self.rounds += 1
+        self.groups_generated += spread.numel()
+        dropped = ~spread
+        value = torch.nanmean(filter_values.reshape(-1, G).double(), dim=1)
+        # paper's accuracy reward is +1 / -1 (0 / 1 in many data sets): a constant group above 0 is all-correct
+        self.dropped_correct += int((dropped & (value > 0)).sum())
+        self.dropped_wrong += int((dropped & (value <= 0)).sum())
+
+        take = spread.nonzero().squeeze(1)[: max(self.target - self.num_kept, 0)]
+        if take.numel():
+            rows = selection.group_rows(take, G).to(filter_values.device)
+            self.parts.append({k: v[rows] for k, v in rollout.items()})
+            self.rewards.append(rewards_per_func[rows])
+            self.positions.append(rows + self.rows_seen)
+            self.num_kept += take.numel()
+        if self.num_spare < self.multiple:
+            spare = dropped.nonzero().squeeze(1)[: self.multiple - self.num_spare]
+            if spare.numel():
+                rows = selection.group_rows(spare, G).to(filter_values.device)
+                self.spare_parts.append({k: v[rows] for k, v in rollout.items()})
+                self.spare_rewards.append(rewards_per_func[rows])
+                self.spare_positions.append(rows + self.rows_seen)
+                self.num_spare += spare.numel()
+        self.rows_seen += n
+
+    def finalize(self, pad_token_id: int):
+        """-> (batch, rewards_per_func, positions, num_real_rows, exhausted).
+
+        `batch` holds `num_real_rows` rows of kept groups followed by placeholder rows (exhaustion with too few
+        groups), `positions` the index of every row among all the rows generated this step."""
+        exhausted = not self.full
+        num_real, num_pad = (self.target, 0) if not exhausted else selection.exhausted_group_count(
+            self.num_kept, self.multiple)
+        parts, rewards, positions = list(self.parts), list(self.rewards), list(self.positions)
+        if num_pad:
+            parts += self.spare_parts
+            rewards += self.spare_rewards
+            positions += self.spare_positions
+        batch = selection.concat_rollouts(parts, pad_token_id)
+        rewards = torch.cat(rewards)
+        positions = torch.cat(positions)
+        real_rows = num_real * self.G
+        pad_rows = num_pad * self.G
+        # kept groups past num_real (rounding down on exhaustion) are dropped; spare groups past num_pad too
+        kept_rows = self.num_kept * self.G
+        index = torch.cat([torch.arange(real_rows), kept_rows + torch.arange(pad_rows)]).to(positions.device)
+        batch = {k: v[index] for k, v in batch.items()}
+        return batch, rewards[index], positions[index], real_rows, exhausted
+
+
+# ----------------------------------------------------------------------------------------------- trainer
+class DAPOTrainer(VariantTrainer):
+    """DAPO (Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale", arXiv 2503.14476) on top of
+    TRL's `GRPOTrainer`: GRPO advantages without KL, with
+
+    1. Clip-Higher (`epsilon=0.2`, `epsilon_high=0.28`) and the token-level loss (`loss_type="dapo"`): TRL's;
+    2. overlong reward shaping (Eq. 13): `trl.rewards.get_soft_overlong_punishment(max_completion_length,
+       L_cache)` appended to the reward functions (weight 1, also when `reward_weights` is given);
+    3. dynamic sampling (Eq. 11): after scoring, the groups whose `filter_metric` has std <= `filter_std_eps` are
+       dropped and fresh prompts (a seeded `RefillSampler` over the train data set, whose position is saved in
+       checkpoints and restored on resume) are generated and scored until the batch holds
+       `generation_batch_size // num_generations` groups; the surplus of the last round is trimmed. Advantages are
+       GRPO's over the kept groups (`scale_rewards` as configured).
+
+    Every process decides from the gathered rewards (identical everywhere), so all agree on the number of rounds;
+    the kept groups are then split evenly over the processes (a group may span two of them, as in TRL).
+    TRL's `_prepare_inputs` shuffles and splits the batch into `steps_per_generation` slices as usual, and reuses it
+    for `num_iterations` passes.
+
+    **Exhaustion** (`max_generation_rounds` reached without a full batch): the step trains on the kept groups,
+    rounded down to a multiple of `selection.group_multiple(G, num_processes, steps_per_generation)` so that every
+    process and every slice gets the same number of rows. If that leaves none, the kept groups are padded with
+    dropped (no-spread) groups up to that multiple, trained with advantage 0 (a no-signal step, exactly what GRPO
+    does on an all-equal batch). A warning with the numbers is issued once, and `dapo/exhausted` logs 1.
+
+    Metrics (per generation step): `dapo/rounds`, `dapo/groups_generated`, `dapo/groups_kept` (with spread, trained),
+    `dapo/frac_dropped_all_correct` and `dapo/frac_dropped_all_wrong` (of the generated groups; a no-spread group
+    counts as correct when its common value is > 0), `dapo/gen_tokens_per_trained_token` (completion tokens generated
+    in all rounds / loss tokens of the kept groups), `dapo/exhausted`, `dapo/padded_groups`. TRL's own metrics
+    (`reward`, `completions/*`) average over every round generated.
+
+    **Generation backends**: refill rounds call TRL's own `_generate_and_score_completions` with refill prompts laid
+    out exactly as TRL's `RepeatSampler` lays them out (each prompt `num_generations` times consecutively, split
+    evenly over the processes), so they use whatever backend TRL uses: HF `generate`, transformers continuous
+    batching, vLLM colocate or server (vLLM weights are synced once per optimizer step, so every round of a step samples
+    from the same policy). Only HF `generate` is tested here (CPU); vLLM colocate/server and DeepSpeed/FSDP are
+    untested. Not supported: multimodal rollouts and `IterableDataset` train sets with dynamic sampling (clear error).
+
+    **Memory**: each round's rollout is gathered on every process (the selection is global), and only its kept groups
+    are held across rounds, so the peak is one round's global rollout plus one generation batch.
+    """
+
+    _tag_names = ["trl", "trl-ppo-variants", "dapo"]
+
+    def __init__(self, model, reward_funcs, args: DAPOConfig | None = None, **kwargs):
+        if args is None:
+            args = DAPOConfig(output_dir="dapo-output")
+        if not isinstance(args, DAPOConfig):
+            raise TypeError(f"args: expected a DAPOConfig, got {type(args).__name__}")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        self._overlong_func = None
+        user_weights = args.reward_weights
+        if args.overlong_penalty:
+            names = [getattr(f, "__name__", None) for f in funcs]
+            check(OVERLONG_REWARD_NAME not in names, "overlong_penalty",
+                  f"False when reward_funcs already holds {OVERLONG_REWARD_NAME}", True)
+            self._overlong_func = get_soft_overlong_punishment(
+                args.max_completion_length, args.effective_overlong_cache_length)
+            funcs.append(self._overlong_func)
+            if user_weights is not None:
+                args.reward_weights = list(user_weights) + [1.0]
+            processing = kwargs.get("reward_processing_classes")
+            if isinstance(processing, (list, tuple)):
+                kwargs["reward_processing_classes"] = list(processing) + [None]
+        try:
+            super().__init__(model, funcs, args=args, **kwargs)
+        finally:
+            args.reward_weights = user_weights
+
+        self._overlong_index = next(
+            (i for i, f in enumerate(self.reward_funcs) if f is self._overlong_func), None)
+        self._task_columns = [i for i in range(len(self.reward_funcs)) if i != self._overlong_index]
+        if args.filter_metric == "reward":
+            check(len(self._task_columns) > 0, "filter_metric",
+                  "a reward function name when the only reward is the overlong shaping", args.filter_metric)
+        else:
+            check(args.filter_metric in self.reward_func_names, "filter_metric",
+                  f"'reward' or one of {self.reward_func_names}", args.filter_metric)
+
+        self._refill_sampler = None
+        self._refill_dataset = None
+        self._warned_exhausted = False
+        if args.dynamic_sampling:
+            world = self.accelerator.num_processes
+            G = self.num_generations
+            refill = args.refill_num_prompts or args.generation_batch_size // G
+            check(refill * G % world == 0, "refill_num_prompts",
+                  f"a value whose rows (x num_generations={G}) split evenly over {world} processes", refill)
+            self._refill_num_prompts = refill
+            dataset = self.train_dataset
+            check(dataset is not None and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"),
+                  "dynamic_sampling", "False with an IterableDataset or no train_dataset (refills need indexing)",
+                  True)
+            self._refill_sampler = RefillSampler(len(dataset), args.seed, shuffle=self.shuffle_dataset)
+
+    # -------------------------------------------------------------------------------------------- advantages
+    def compute_advantages(self, rewards, batch, group_size):
+        return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
+
+    def filter_values(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
+        """The dynamic-sampling filter metric per row: (N, F) -> (N,), NaN where unscorable."""
+        if self.args.filter_metric != "reward":
+            return rewards_per_func[:, self.reward_func_names.index(self.args.filter_metric)]
+        sub = rewards_per_func[:, self._task_columns]
+        weights = self.reward_weights.to(sub.device)[self._task_columns]
+        values = (sub * weights.unsqueeze(0)).nansum(dim=1)
+        values[torch.isnan(sub).all(dim=1)] = float("nan")
+        return values
+
+    # -------------------------------------------------------------------------------------------- dynamic sampling
+    def _refill_source(self):
+        """The train data set with the columns the dataloader would yield (TRL's `remove_unused_columns`)."""
+        if self._refill_dataset is None:
+            import datasets
+
+            dataset = self.train_dataset
+            if isinstance(dataset, datasets.Dataset):
+                dataset = self._remove_unused_columns(dataset, description="training")
+            self._refill_dataset = dataset
+        return self._refill_dataset
+
+    def _refill_rows(self, indices: list[int]) -> list[dict]:
+        """This process's share of the refill inputs, laid out like TRL's RepeatSampler: each prompt G times
+        consecutively, the global list split into equal contiguous shares in process order."""
+        source = self._refill_source()
+        G, world, rank = self.num_generations, self.accelerator.num_processes, self.accelerator.process_index
+        per_rank = len(indices) * G // world
+        return [dict(source[int(indices[j // G])]) for j in range(rank * per_rank, (rank + 1) * per_rank)]
+
+    def _prompt_key(self, index: int) -> str:
+        return repr(self._refill_source()[int(index)]["prompt"])
+
+    def _generate_and_score_completions(self, inputs):
+        if not (self.model.training and self.args.dynamic_sampling):
+            return super()._generate_and_score_completions(inputs)
+        self.beta = 1.0 if self.needs_reference else 0.0  # as the base does: reference log-probs iff needed
+        G = self.num_generations
+        world = self.accelerator.num_processes
+        pad_id = self._tokenizer.pad_token_id
+        target = self.args.generation_batch_size // G
+        multiple = selection.group_multiple(G, world, self.args.steps_per_generation)
+        acc = GroupAccumulator(target, G, multiple, self.args.filter_std_eps)
+        metrics = self._metrics["train"]
+        generated_tokens = 0.0
+        max_rounds = self.args.max_generation_rounds
+        seen = None
+        round_inputs = inputs
+        while True:
+            output = GRPOTrainer._generate_and_score_completions(self, round_inputs)
+            rewards_per_func = self._captured_rewards_per_func
+            rollout = selection.gather_rollout(self.accelerator, output, output["prompt_ids"].shape[0], pad_id)
+            lengths = metrics.get("completions/mean_length")
+            if lengths:  # TRL's count of generated tokens (also those of truncated completions it may mask)
+                generated_tokens += lengths[-1] * rewards_per_func.shape[0]
+            else:
+                generated_tokens += float(rollout["completion_mask"].sum())
+            acc.add_round(rollout, rewards_per_func, self.filter_values(rewards_per_func))
+            del output, rollout
+            # every rank holds the same gathered rewards, hence takes the same decision here
+            if acc.full or (max_rounds and acc.rounds >= max_rounds):
+                break
+            if seen is None:  # prompts of this step's first round, on every process
+                seen = set(gather_object(sorted({repr(x["prompt"]) for x in inputs})))
+            indices = self._refill_sampler.draw(self._refill_num_prompts, key=self._prompt_key, seen=seen)
+            round_inputs = self._refill_rows(indices)
+
+        batch, rewards_per_func, positions, real_rows, exhausted = acc.finalize(pad_id)
+        rewards = self.total_rewards(rewards_per_func)
+        advantages = torch.zeros_like(rewards)
+        if real_rows:  # placeholder groups of the exhaustion path stay at 0 and never enter the statistics
+            advantages[:real_rows] = self.compute_advantages(rewards[:real_rows], batch, G)
+        if not torch.isfinite(advantages).all():
+            raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
+        batch["advantages"] = advantages
+        output = selection.localize_rollout(
+            self.accelerator, batch, torch.arange(advantages.shape[0], device=advantages.device),
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+        self._log_advantages(advantages, acc.rows_seen, positions)
+
+        loss_mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
+        trained_tokens = float(loss_mask[:real_rows].sum())
+        metrics["dapo/rounds"].append(float(acc.rounds))
+        metrics["dapo/groups_generated"].append(float(acc.groups_generated))
+        metrics["dapo/groups_kept"].append(float(real_rows // G))
+        metrics["dapo/frac_dropped_all_correct"].append(acc.dropped_correct / acc.groups_generated)
+        metrics["dapo/frac_dropped_all_wrong"].append(acc.dropped_wrong / acc.groups_generated)
+        metrics["dapo/gen_tokens_per_trained_token"].append(
+            generated_tokens / trained_tokens if trained_tokens > 0 else float("nan"))
+        metrics["dapo/exhausted"].append(float(exhausted))
+        metrics["dapo/padded_groups"].append(float((advantages.shape[0] - real_rows) // G))
+        if exhausted and not self._warned_exhausted:
+            self._warned_exhausted = True
+            if self.accelerator.is_main_process:
+                warnings.warn(
+                    f"DAPO dynamic sampling: {acc.num_kept} of the {target} groups with a reward spread after "
+                    f"{acc.rounds} generation rounds (max_generation_rounds={max_rounds}, {acc.groups_generated} "
+                    f"groups generated, {acc.dropped_correct} all-correct and {acc.dropped_wrong} all-wrong dropped); "
+                    f"training this step on {real_rows // G} groups"
+                    + (f" plus {(advantages.shape[0] - real_rows) // G} zero-advantage placeholder groups"
+                       if advantages.shape[0] > real_rows else "")
+                    + ". The data may be too easy or too hard; see the 'dapo/exhausted' metric. Warned once.",
+                    stacklevel=2,
+                )
+        return output
+
+    # -------------------------------------------------------------------------------------------- checkpoints
+    # The refill position travels in the base class's per-process checkpoint state, written before the checkpoint's
+    # completion marker: a run killed mid-save never leaves a "complete" checkpoint without it.
+    def extra_state(self) -> dict:
+        state = super().extra_state()
+        if self._refill_sampler is not None:
+            state["dapo_refill_sampler"] = self._refill_sampler.state_dict()
+        return state
+
+    def load_extra_state(self, state: dict) -> None:
+        super().load_extra_state(state)
+        if self._refill_sampler is not None and "dapo_refill_sampler" in state:
+            self._refill_sampler.load_state_dict(state["dapo_refill_sampler"])

@@ -1,0 +1,427 @@
+"""PPO with a learned value model (Schulman et al., arXiv 1707.06347; RLHF form of Ouyang et al., arXiv 2203.02155).
+
+On top of `GRPOTrainer`'s generation, rewards, vLLM and PEFT:
+
+- a critic (see `critic.py`): its own backbone plus a scalar head, attached to the policy as `policy.critic`, so that
+  DDP and DeepSpeed ZeRO-2/3 prepare one model and one optimizer, and checkpoints hold it;
+- rollout: the critic's values of the sampling-time state (no grad) travel in the batch ("old_values"); token rewards
+  are the outcome at the last valid token minus `kl_in_reward_coef * k1` at every token (base's `reference_kl`);
+  GAE (`advantages.gae`) gives advantages and returns; advantages are whitened over the valid tokens of the whole
+  generation batch, across processes (`needs_global_batch`); returns travel in the batch ("returns", "value_mask");
+- loss: `GRPOTrainer`'s PPO-clip policy loss (Clip-Higher through `epsilon_high`) plus, when `clip_ratio_c` is set,
+  the dual-clip correction (below), plus `vf_coef` times the clipped value loss, reduced over the valid tokens the way
+  `loss_type` reduces the policy loss (`losses.aggregate_token_loss`).
+
+Dual-clip. TRL's policy loss stays the source of truth (its loss types, vLLM importance-sampling correction, entropy
+bonus, metrics); dual-clip only changes the loss of tokens with A < 0 and r > c, from `-A r` to the constant `-A c`.
+So the trainer adds `aggregate(loss_dual - loss_standard)`, both from `losses.ppo_clip_policy_loss` on the captured
+log-probs of the same forward pass: non-zero only on those tokens, where it cancels the gradient. Combinations in which
+TRL reweights the per-token loss in ways this correction would have to mirror (sequence-level ratios, `delta`, the
+entropy mask, the off-policy mask) are refused at construction.
+
+Optimizer. One optimizer, param groups split by owner: the critic's groups get `critic_learning_rate`; gradient
+clipping (`max_grad_norm`) acts on the joint norm, which `vf_coef` keeps from being dominated by the critic.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import is_peft_model
+
+from ..advantages import gae, masked_mean, masked_whiten, token_rewards_from_outcome
+from ..critic import (
+    VALUE_MODEL_DIR,
+    attach_critic,
+    build_critic,
+    critic_values,
+    detached_critic,
+    explained_variance,
+    get_critic,
+    is_critic_key,
+    load_critic,
+    policy_module,
+    save_critic,
+    skip_critic_params,
+    split_critic_state_dict,
+)
+from ..losses import aggregate_token_loss, clipped_value_loss, ppo_clip_policy_loss
+from .base import VariantConfig, VariantTrainer, check
+
+#: key of the optimizer param groups saying whose parameters they hold ("policy" or "critic")
+GROUP_ROLE = "trl_ppo_variants_role"
+#: the weight decay the group was created with (the live value is switched off while the policy is frozen)
+GROUP_WEIGHT_DECAY = "trl_ppo_variants_weight_decay"
+
+DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class PPOConfig(VariantConfig):
+    r"""
+    Configuration for [`PPOTrainer`]: [`~trl.GRPOConfig`] with a value model, GAE and PPO's value loss.
+
+    The policy loss is `GRPOTrainer`'s PPO-clip loss (`epsilon`, `epsilon_high`, `loss_type`, `num_iterations` = PPO
+    epochs, `steps_per_generation` = mini-batches per rollout); `num_generations` completions are sampled per prompt
+    as in GRPO (the advantage does not use the group). Defaults follow TRL's former `PPOConfig` (`vf_coef=0.1`,
+    `cliprange_value=0.2`, `gamma=1.0`, `lam=0.95`, KL-in-reward `0.05` with k1).
+
+    Parameters:
+        value_model_path (`str` or `None`, *optional*, defaults to `None`):
+            Checkpoint to initialise the critic from (loaded with `AutoModelForTokenClassification`,
+            `num_labels=1`), e.g. a reward model. `None`: the policy's own weights with a new scalar head.
+        vf_coef (`float`, *optional*, defaults to `0.1`):
+            Weight of the value loss in the total loss.
+        critic_learning_rate (`float` or `None`, *optional*, defaults to `None`):
+            Learning rate of the critic's parameters (its own optimizer param groups, same schedule shape).
+            `None`: `learning_rate`.
+        cliprange_value (`float`, *optional*, defaults to `0.2`):
+            The value loss is `0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)` with this `c`.
+        gamma (`float`, *optional*, defaults to `1.0`):
+            Discount of GAE.
+        lam (`float`, *optional*, defaults to `0.95`):
+            Lambda of GAE (for both the advantages and the value targets).
+        clip_ratio_c (`float` or `None`, *optional*, defaults to `None`):
+            Dual-clip bound (> 1; arXiv 1912.09729, 3.0 in verl): for negative advantages the loss is capped at
+            `-A * clip_ratio_c`. `None` disables it.
+        save_value_model (`bool`, *optional*, defaults to `True`):
+            When exporting (`trainer.save_model()`), save the critic to `<output_dir>/value_model`. The exported
+            policy never holds the critic's weights. Checkpoints always hold the critic.
+        kl_in_reward_coef (`float`, *optional*, defaults to `0.05`):
+            Coefficient of the per-token k1 KL to the reference subtracted from the token rewards (TRL's former
+            `PPOConfig.kl_coef`). `0.0` skips the reference model.
+    """
+
+    value_model_path: str | None = field(
+        default=None,
+        metadata={"help": "Checkpoint to initialise the critic from; None: the policy's weights with a new head."},
+    )
+    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
+    critic_learning_rate: float | None = field(
+        default=None, metadata={"help": "Learning rate of the critic; None: learning_rate."}
+    )
+    cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value around the old value."})
+    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
+    lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
+    clip_ratio_c: float | None = field(
+        default=None, metadata={"help": "Dual-clip bound (> 1) for negative advantages; None disables it."}
+    )
+    save_value_model: bool = field(
+        default=True, metadata={"help": "Save the critic to <output_dir>/value_model when exporting."}
+    )
+    kl_in_reward_coef: float = field(
+        default=0.05,
+        metadata={"help": "Coefficient of the per-token k1 KL subtracted from the token rewards (loads the reference)."},
+    )
+
+    def __post_init__(self):
+        # The critic is called outside DDP's forward: DDP's unused-parameter search would mark its parameters ready
+        # twice ("Expected to mark a variable ready only once").
+        if self.ddp_find_unused_parameters is None:
+            self.ddp_find_unused_parameters = False
+        super().__post_init__()
+        check(self.ddp_find_unused_parameters is False, "ddp_find_unused_parameters",
+              "False (the critic is called outside DDP's forward)", self.ddp_find_unused_parameters)
+        check(self.cliprange_value > 0, "cliprange_value", "a number > 0", self.cliprange_value)
+        check(0.0 <= self.gamma <= 1.0, "gamma", "a number in [0, 1]", self.gamma)
+        check(0.0 <= self.lam <= 1.0, "lam", "a number in [0, 1]", self.lam)
+        check(self.vf_coef >= 0, "vf_coef", "a number >= 0", self.vf_coef)
+        if self.critic_learning_rate is not None:
+            check(self.critic_learning_rate >= 0, "critic_learning_rate", "a number >= 0 or None",
+                  self.critic_learning_rate)
+        if self.clip_ratio_c is not None:
+            check(self.clip_ratio_c > 1.0, "clip_ratio_c", "a number > 1 or None", self.clip_ratio_c)
+            check(self.loss_type in DUAL_CLIP_LOSS_TYPES, "loss_type",
+                  f"one of {DUAL_CLIP_LOSS_TYPES} with clip_ratio_c (the PPO-clip losses)", self.loss_type)
+            check(self.importance_sampling_level == "token", "importance_sampling_level",
+                  "'token' with clip_ratio_c (dual-clip is per token)", self.importance_sampling_level)
+            check(self.delta is None, "delta", "None with clip_ratio_c (both cap the ratio; pick one)", self.delta)
+            check(self.top_entropy_quantile == 1.0, "top_entropy_quantile", "1.0 with clip_ratio_c",
+                  self.top_entropy_quantile)
+            check(self.off_policy_mask_threshold is None, "off_policy_mask_threshold", "None with clip_ratio_c",
+                  self.off_policy_mask_threshold)
+
+    @property
+    def effective_critic_learning_rate(self) -> float:
+        return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
+
+class PPOTrainer(VariantTrainer):
+    """PPO with a critic on top of TRL's `GRPOTrainer` (see the module docstring for the design).
+
+    Logged: `value/loss`, `value/clip_frac`, `value/explained_variance` (of the rollout-time values against the
+    returns), `value/mean`, `value/return_mean`, `approx_kl` (`0.5 (log r)^2`), TRL's `clip_ratio/low_mean`,
+    `clip_ratio/high_mean` and, with dual-clip, `clip_ratio/dual_mean`.
+    """
+
+    _tag_names = ["trl", "trl-ppo-variants", "ppo"]
+    needs_global_batch = True
+    config_class = PPOConfig
+
+    def __init__(self, model, reward_funcs, args: PPOConfig | None = None, **kwargs):
+        if args is None:
+            args = self.config_class(output_dir=f"{self._tag_names[-1]}-output")
+        if not isinstance(args, self.config_class):
+            raise TypeError(f"args: expected a {self.config_class.__name__}, got {type(args).__name__}")
+        self._capture_policy_logps = False
+        self._policy_logps = None
+        self._exporting = False
+        self._targets = None
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        if self.is_fsdp_enabled:
+            raise NotImplementedError(f"{type(self).__name__} supports DDP and DeepSpeed ZeRO-1/2/3, not FSDP")
+        if self._is_vlm:
+            raise NotImplementedError(f"{type(self).__name__} does not support vision-language models yet")
+        self._setup_critic()
+
+    # -------------------------------------------------------------------------------------------- critic setup
+    def _setup_critic(self):
+        init_kwargs = {"trust_remote_code": self.args.trust_remote_code}
+        # TRL leaves the RNG seeded per process: the new value head must be the same on every rank (and the same as
+        # in a single-process run)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.args.seed)
+            critic = build_critic(self.model, self.args.value_model_path, **init_kwargs)
+        if not self.is_deepspeed_enabled:  # DeepSpeed places the engine's parameters itself
+            device = next(policy_module(self.model).parameters()).device
+            critic.to(device)
+        # attached after PEFT injected its adapter (TRL does that in __init__): LoRA never targets the critic, which is
+        # trained in full
+        attach_critic(self.model, critic)
+        if self.use_vllm:  # vLLM receives the policy only
+            iterate = self.vllm_generation._iter_named_params
+            self.vllm_generation._iter_named_params = lambda: skip_critic_params(iterate())
+
+    @property
+    def critic(self):
+        """The value model (a `...ForTokenClassification` with one label)."""
+        return get_critic(self.model)
+
+    # -------------------------------------------------------------------------------------------- optimizer
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, with each param group split into the policy's and the critic's (critic lr)."""
+        fresh = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if not fresh:
+            return optimizer
+        critic_ids = {id(p) for p in self.critic.parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            for role in ("policy", "critic"):
+                params = [p for p in group["params"] if (id(p) in critic_ids) == (role == "critic")]
+                if not params:
+                    continue  # DeepSpeed indexes its flat partitions by group: no empty groups
+                new = {**group, "params": params, GROUP_ROLE: role, GROUP_WEIGHT_DECAY: group.get("weight_decay", 0.0)}
+                if role == "critic":
+                    new["lr"] = self.args.effective_critic_learning_rate
+                    new.pop("initial_lr", None)
+                groups.append(new)
+        inner = _innermost_optimizer(optimizer)
+        inner.param_groups.clear()
+        inner.param_groups.extend(groups)
+        return optimizer
+
+    def _policy_param_groups(self):
+        return [g for g in self.optimizer.param_groups if g.get(GROUP_ROLE) == "policy"]
+
+    # -------------------------------------------------------------------------------------------- rollout
+    @torch.no_grad()
+    def rollout_values(self, output: dict) -> torch.Tensor:
+        """Values of the current (old) critic on this process's rollout rows: (B, T), 0 on padding."""
+        from trl.models.utils import disable_gradient_checkpointing
+
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        batch_size = (self.args.per_device_train_batch_size if self.model.training
+                      else self.args.per_device_eval_batch_size)
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
+                self.accelerator.autocast():
+            values = critic_values(self.critic, input_ids, attention_mask, output["completion_ids"].shape[1],
+                                   batch_size=batch_size)
+        return torch.where(output["completion_mask"].bool(), values, torch.zeros_like(values))
+
+    def gae_lambdas(self, valid: torch.Tensor):
+        """`(lam for the policy's advantages, lam for the critic's targets)`: floats or (N,) tensors."""
+        return self.args.lam, self.args.lam
+
+    def extra_targets(self, rewards: torch.Tensor, batch: dict, valid: torch.Tensor) -> dict:
+        """More per-row tensors of the global batch to hand to each process (VAPO: which completions are correct)."""
+        return {}
+
+    def compute_advantages(self, rewards, batch, group_size):
+        mask = batch["completion_mask"].to(torch.float32)
+        if "tool_mask" in batch:
+            mask = mask * batch["tool_mask"]
+        scorable = ~torch.isnan(rewards)
+        valid = mask * scorable.to(mask.dtype).unsqueeze(1)  # unscorable rows: no advantage, no value target
+        token_rewards = token_rewards_from_outcome(rewards, valid, batch.get("kl_in_reward"), self.kl_in_reward_coef)
+        old_values = torch.where(valid.bool(), batch["old_values"].to(torch.float32), torch.zeros_like(valid))
+        lam_policy, lam_critic = self.gae_lambdas(valid)
+        gamma = self.args.gamma
+        critic_adv, returns = gae(token_rewards, old_values, valid, gamma=gamma, lam=lam_critic)
+        if lam_policy is lam_critic:
+            policy_adv = critic_adv
+        else:  # decoupled GAE (VAPO): the policy's lambda differs from the critic targets'
+            policy_adv, _ = gae(token_rewards, old_values, valid, gamma=gamma, lam=lam_policy)
+        advantages = masked_whiten(policy_adv, valid)
+
+        self._targets = {"returns": returns, "value_mask": valid, **self.extra_targets(rewards, batch, valid)}
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["value/mean"].append(masked_mean(old_values, valid).item())
+        self._metrics[mode]["value/return_mean"].append(masked_mean(returns, valid).item())
+        ev = explained_variance(old_values, returns, valid)
+        if torch.isfinite(ev):
+            self._metrics[mode]["value/explained_variance"].append(ev.item())
+        return advantages
+
+    def _replace_advantages(self, output, inputs):
+        output["old_values"] = self.rollout_values(output)
+        self._targets = None
+        output = super()._replace_advantages(output, inputs)
+        targets, self._targets = self._targets, None
+        rows, width = output["completion_mask"].shape
+        rank = self.accelerator.process_index
+        for key, value in targets.items():
+            if value.dim() == 0:  # a batch-wide scalar (e.g. a global token count): the same for every process
+                output[key] = value
+                continue
+            # this process's contiguous share of the global rows, as the base hands out the advantages (and as
+            # `selection.localize_rollout` does when rows were selected), trimmed to the local completion width
+            value = value[rank * rows : (rank + 1) * rows]
+            output[key] = value[:, :width] if value.dim() == 2 else value
+        return output
+
+    # -------------------------------------------------------------------------------------------- loss
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
+        if self._capture_policy_logps:  # the loss's forward pass: log-probs with grad for dual-clip / NLL / metrics
+            self._policy_logps = result[0]
+        return result
+
+    def policy_loss_scale(self) -> float:
+        """Multiplier of the whole policy part of the loss (VAPO: 0 during value pre-training)."""
+        return 1.0
+
+    def extra_policy_loss(self, logps, inputs, mask, aggregate) -> torch.Tensor | None:
+        """A term added to the policy loss (VAPO: the positive-example NLL), or None."""
+        return None
+
+    def _aggregate(self, inputs, per_token, mask, loss_type=None, num_items_in_batch=None):
+        training = self.model.training
+        return aggregate_token_loss(
+            per_token,
+            mask,
+            loss_type or self.loss_type,
+            num_items_in_batch=inputs["num_items_in_batch"] if num_items_in_batch is None else num_items_in_batch,
+            num_processes=self.accelerator.num_processes,
+            grad_accum=self.current_gradient_accumulation_steps if training else 1,
+            steps_per_generation=self.args.steps_per_generation if training else 1,
+            max_completion_length=self.max_completion_length,
+        )
+
+    def _global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        m = mask.to(torch.float32)
+        stats = self.accelerator.reduce(torch.stack([(x.detach().float() * m).sum(), m.sum()]), reduction="sum")
+        return (stats[0] / stats[1].clamp(min=1.0)).item()
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        self._capture_policy_logps = True
+        try:
+            policy_loss = super()._compute_loss(model, inputs)
+        finally:
+            self._capture_policy_logps = False
+        logps, self._policy_logps = self._policy_logps, None
+
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        aggregate = functools.partial(self._aggregate, inputs)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+
+        if self.args.clip_ratio_c is not None:
+            eps = (self.epsilon_low, self.epsilon_high)
+            dual, masks = ppo_clip_policy_loss(logps, old, advantages, *eps, clip_ratio_c=self.args.clip_ratio_c)
+            standard, _ = ppo_clip_policy_loss(logps, old, advantages, *eps)
+            correction = dual - standard  # non-zero only where dual-clip bites
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                correction = correction * inputs["importance_sampling_ratio"]
+            policy_loss = policy_loss + aggregate(correction, mask)
+            self._metrics[mode]["clip_ratio/dual_mean"].append(self._global_mean(masks["dual"].float(), mask))
+        extra = self.extra_policy_loss(logps, inputs, mask, aggregate)
+        if extra is not None:
+            policy_loss = policy_loss + extra
+        self._metrics[mode]["approx_kl"].append(self._global_mean(0.5 * (logps.detach() - old) ** 2, mask))
+
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with self.accelerator.autocast():
+            # called as a submodule, not through the engine's forward (which would run the policy)
+            values = critic_values(get_critic(model), input_ids, attention_mask, completion_ids.shape[1])
+        value_mask = inputs["value_mask"]
+        per_token_vf, vf_clipped = clipped_value_loss(
+            values, inputs["old_values"], inputs["returns"], self.args.cliprange_value
+        )
+        value_loss = aggregate(per_token_vf, value_mask)
+        self._metrics[mode]["value/loss"].append(self._global_mean(per_token_vf, value_mask))
+        self._metrics[mode]["value/clip_frac"].append(self._global_mean(vf_clipped.float(), value_mask))
+
+        scale = self.policy_loss_scale() if mode == "train" else 1.0
+        # scale 0 keeps the policy in the graph (exact zero gradients: DDP and ZeRO expect a gradient for every
+        # parameter) while leaving it untouched
+        return scale * policy_loss + self.args.vf_coef * value_loss
+
+    # -------------------------------------------------------------------------------------------- save / load
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        self._exporting = not _internal_call
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._exporting = False
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        peft = is_peft_model(self.model)
+        if not self._exporting and not peft:
+            # a checkpoint of the full model: `critic.*` travels inside the weights and resumes with them
+            return super()._save(output_dir, state_dict=state_dict)
+        critic_state = None
+        if state_dict:  # gathered by DeepSpeed: split it; `{}` is DeepSpeed's dummy when it cannot gather
+            state_dict, critic_state = split_critic_state_dict(state_dict)
+        with detached_critic(self.model) as critic:
+            super()._save(output_dir, state_dict=state_dict)
+        if critic is None or (self._exporting and not self.args.save_value_model):
+            return
+        if state_dict == {} and not critic_state:
+            return  # ZeRO-3 without 16-bit gathering: the critic is in DeepSpeed's own checkpoint files
+        # PEFT saves only the adapter: without this the critic would be lost from every checkpoint
+        save_critic(critic, os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=critic_state,
+                    is_main_process=self.args.should_save)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        if is_peft_model(self.model):
+            path = os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"{resume_from_checkpoint} holds no critic ({VALUE_MODEL_DIR}/ is missing)")
+            load_critic(self.critic, path)
+
+
+def _innermost_optimizer(optimizer):
+    """accelerate's wrapper / DeepSpeed's ZeRO optimizer -> the torch optimizer that holds the param groups."""
+    while hasattr(optimizer, "optimizer") and hasattr(optimizer.optimizer, "param_groups"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+__all__ = ["PPOConfig", "PPOTrainer", "is_critic_key"]
