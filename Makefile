@@ -32,8 +32,13 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m trl_ppo_variants.demo $(if $(ALGO),--algo $(ALGO),)
 
+# The benchmark suite: step time and memory against TRL's GRPOTrainer, DAPO/TTRL costs, reward curves (bench/results/).
 bench: $(STAMP)
-	$(PY) bench/bench_trainers.py
+	$(PY) bench/suite.py
+
+# The GPU benchmark's offline path on a tiny shape, on CPU (the real run: bench/gpu.sh on one H200, see bench/README.md).
+bench-gpu-cpu: $(STAMP)
+	$(PY) bench/gpu_bench.py --tiny
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache

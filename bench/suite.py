@@ -160,6 +160,7 @@ class Stepper:
         self.accuracy = []  # (step, greedy accuracy)
         self.error = None
         self.finished = False
+        self.rng = None  # this trainer's own torch RNG state, swapped in while it runs
 
     def _pause(self):
         self.done.set()
@@ -182,10 +183,20 @@ class Stepper:
             self.accuracy.append((step, greedy_accuracy(model, self.tokenizer)))
 
     def release(self, timeout):
-        """Let the trainer run one optimizer step (or finish); False if it failed or did not come back in time."""
+        """Let the trainer run one optimizer step (or finish); False if it failed or did not come back in time.
+
+        The trainers share one process-wide torch RNG; each gets its own stream back while it runs, so that its
+        sampling (hence its completion lengths, which drive the step time) does not depend on the interleaving:
+        from the same seed and checkpoint, every trainer samples the same first completions."""
+        import torch
+
+        if self.rng is not None:
+            torch.set_rng_state(self.rng)
         self.done.clear()
         self.go.set()
-        if not self.done.wait(timeout):
+        ok = self.done.wait(timeout)
+        self.rng = torch.get_rng_state()
+        if not ok:
             self.error = f"no step completed within {timeout} s"
             return False
         return self.error is None and not self.finished
@@ -234,8 +245,11 @@ def run_interleaved(rows, args, model_dir, work):
                 stepper.done.set()
 
         threads[name] = threading.Thread(target=target, name=f"bench-{name}", daemon=True)
+        torch.manual_seed(args.seed)
         threads[name].start()
         stepper.done.wait(600)  # parked in on_train_begin (or failed)
+        torch.manual_seed(args.seed)  # every trainer's first step starts from the same RNG state
+        stepper.rng = torch.get_rng_state()
 
     total = args.warmup + args.steps
     live = [n for n, s in steppers.items() if s.error is None and not s.finished]
@@ -337,6 +351,18 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _bootstrap_ci(ratios, n=2000, level=0.9, seed=0):
+    """Percentile bootstrap interval of the median of the per-round ratios: how much the shared machine's noise
+    leaves the ratio uncertain."""
+    import random
+
+    if len(ratios) < 3:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return [meds[int(n * (1 - level) / 2)], meds[int(n * (1 + level) / 2) - 1]]
+
+
 def summarize(rows, steppers, memory, skipped, args):
     """One result dict per row (ratios against the row's baseline, paired per round)."""
     results = []
@@ -363,10 +389,13 @@ def summarize(rows, steppers, memory, skipped, args):
                                 if steps else None)
         if base:
             pairs = list(zip(steps, base))
-            res["time_ratio"] = _median([a["seconds"] / b["seconds"] for a, b in pairs])
-            res["per_gen_token_ratio"] = _median([
-                (a["seconds"] / a["gen_tokens"]) / (b["seconds"] / b["gen_tokens"])
-                for a, b in pairs if a["gen_tokens"] and b["gen_tokens"]])
+            ratios = [a["seconds"] / b["seconds"] for a, b in pairs]
+            res["time_ratio"] = _median(ratios)
+            res["time_ratio_ci90"] = _bootstrap_ci(ratios)
+            per_token = [(a["seconds"] / a["gen_tokens"]) / (b["seconds"] / b["gen_tokens"])
+                         for a, b in pairs if a["gen_tokens"] and b["gen_tokens"]]
+            res["per_gen_token_ratio"] = _median(per_token)
+            res["per_gen_token_ratio_ci90"] = _bootstrap_ci(per_token)
         mem = memory.get(algo.name)
         if mem is not None:
             res["memory"] = mem
@@ -376,6 +405,9 @@ def summarize(rows, steppers, memory, skipped, args):
                 res["peak_rss_ratio"] = mem["peak_mb"] / bmem["peak_mb"]
         verdict, words = algos.target_check(algo, res, args.group)
         res["target"], res["verdict"] = words, verdict
+        judged = algos.target_bound(algo, args.group)
+        if verdict == "MISS" and judged and (res.get(judged[0] + "_ci90") or [judged[1]])[0] <= judged[1]:
+            res["verdict"] = "MISS (within noise: the 90% CI reaches the bound)"
         results.append(res)
     return results
 
@@ -393,7 +425,7 @@ def markdown(results, machine, args):
         f"{machine['cores_usable']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
         f"trl {machine['trl']} (1-min load average at start {machine.get('load_average_1min', '?')}).",
         "",
-        "| trainer | s/step (median) | time vs GRPO | trainer RSS MB (vs GRPO) | peak RSS MB | gen tok / trained tok "
+        "| trainer | s/step (median) | time vs GRPO [90% CI] | trainer RSS MB (vs GRPO) | peak RSS MB | gen tok / trained tok "
         "| rounds / step | target | result |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -409,8 +441,12 @@ def markdown(results, machine, args):
                 f" ({r['mem_ratio']:.2f}x)" if r.get("mem_ratio") is not None else "")
             peak_cell = _fmt(mem.get("peak_mb"), ".0f")
         ratio = _fmt(r.get("time_ratio"), ".2f", "x")
+        if r.get("time_ratio_ci90") and r["name"] != r["baseline"]:
+            ratio += " [{:.2f}, {:.2f}]".format(*r["time_ratio_ci90"])
         if r["name"] == "dapo" and r.get("per_gen_token_ratio") is not None:
-            ratio += f" ({r['per_gen_token_ratio']:.2f}x per generated token)"
+            ratio += f" ({r['per_gen_token_ratio']:.2f}x per generated token"
+            ratio += " [{:.2f}, {:.2f}])".format(*r["per_gen_token_ratio_ci90"]) if r.get(
+                "per_gen_token_ratio_ci90") else ")"
         if r["baseline"] != "grpo":
             ratio += " (vs GRPO beta=0.04)" if ratio else ""
         lines.append(
@@ -428,6 +464,9 @@ def plot(curves, accuracy, labels, path):
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = plt.get_cmap("tab20").colors
+    ax1.set_prop_cycle(color=colors)
+    ax2.set_prop_cycle(color=colors)
     for name, pts in curves.items():
         if not pts:
             continue
@@ -519,7 +558,9 @@ def main(argv=None):
         f.write(table)
     if not args.no_plot:
         labels = {a.name: a.label for a in rows}
-        plot(curves, {n: s.accuracy for n, s in steppers.items()}, labels,
+        main_rows = {a.name for a in algos.ALGOS}  # the beta = 0.04 rows would double the lines
+        plot({n: c for n, c in curves.items() if n in main_rows},
+             {n: s.accuracy for n, s in steppers.items() if n in main_rows}, labels,
              os.path.join(args.out, "reward_curves.png"))
     print(table)
     for r in results:

@@ -55,3 +55,22 @@ def toy_args(config_cls, tmp_path, **overrides):
     )
     kwargs.update(overrides)
     return config_cls(**kwargs)
+
+
+def perturb(model, seed, scale):
+    """The same seeded random step on the weights of any copy of the toy model."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def logged_rewards(trainer):
+    """The mean sampled reward of every logged step, in order."""
+    return [h["reward"] for h in trainer.state.log_history if "reward" in h]
+
+
+def quarter_means(rewards):
+    """(mean of the first quarter, mean of the last quarter): what the learning tests compare."""
+    k = max(1, len(rewards) // 4)
+    return sum(rewards[:k]) / k, sum(rewards[-k:]) / k

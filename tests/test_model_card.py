@@ -136,3 +136,38 @@ def test_reinforce_pp_card_names_the_variant(tmp_path, toy_model_dir, toy_datase
     name = mc.PAPERS[algo].name
     assert f"trained with **{name}**" in text and "2501.03262" in text
     assert "No metrics were logged." in text
+
+
+def test_ppo_push_uploads_the_policy_without_critic_keys_and_the_critic_beside_it(
+    tmp_path, toy_model_dir, toy_dataset, monkeypatch
+):
+    """transformers' `push_to_hub` saves with `_internal_call=True` (the checkpoint path, which keeps `critic.*` in
+    the weights for resume); what reaches the Hub must be the export: policy weights without `critic.*`, the critic in
+    `value_model/` (intercepted upload: no network)."""
+    import os
+
+    import transformers.trainer as hf_trainer
+    from safetensors import safe_open
+
+    from trl_ppo_variants.trainers.ppo import PPOConfig, PPOTrainer
+
+    args = toy_args(PPOConfig, tmp_path, max_steps=1, kl_in_reward_coef=0.0)
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    trainer.train()
+    uploads = []
+
+    class FakeApi:
+        def upload_folder(self, **kwargs):
+            folder = kwargs["folder_path"]
+            with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+                keys = list(f.keys())
+            uploads.append((keys, os.listdir(os.path.join(folder, "value_model"))))
+            return "https://huggingface.co/user/toy-ppo"
+
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: FakeApi())
+    trainer.hub_model_id = "user/toy-ppo"
+    trainer.push_to_hub()
+    assert len(uploads) == 1
+    keys, value_files = uploads[0]
+    assert keys and not any(k.startswith("critic.") for k in keys)
+    assert any(name.endswith(".safetensors") for name in value_files)

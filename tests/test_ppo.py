@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import toy_args
+from conftest import logged_rewards, quarter_means, toy_args
 from safetensors import safe_open
 
 from trl_ppo_variants.advantages import masked_whiten
@@ -245,9 +245,18 @@ def test_ppo_learns(tmp_path, toy_model_dir):
     trainer = PPOTrainer(toy_model_dir, addition_reward, args=args,
                          train_dataset=addition_dataset(16 * LEARN_STEPS, seed=LEARN_SEED))
     trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    k = len(rewards) // 4
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    first, last = quarter_means(logged_rewards(trainer))
     assert last > first + LEARN_MARGIN, (first, last)
     logged = [h for h in trainer.state.log_history if "reward" in h]
     assert all(torch.isfinite(torch.tensor(h["value/loss"])) for h in logged)
+
+
+def test_user_optimizer_without_the_critic_is_refused(toy_model_dir, toy_dataset, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    policy = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    trainer = PPOTrainer(policy, addition_reward, args=toy_args(PPOConfig, tmp_path, kl_in_reward_coef=0.0),
+                         train_dataset=toy_dataset, optimizers=(optimizer, None))
+    with pytest.raises(ValueError, match="^optimizers: expected"):
+        trainer.train()

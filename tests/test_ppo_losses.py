@@ -132,7 +132,7 @@ def test_critic_keys_are_split_and_filtered():
     assert seen == ["model.a", "critic.model.a", "lm_head.weight"]
 
 
-# ------------------------------------------------------------------------------------------------ GAE (used by PPO/VAPO)
+# ------------------------------------------------------------------------------------------------ GAE (PPO/VAPO)
 def test_gae_ragged_mask_hand_recursion():
     rewards = torch.tensor([[0.0, 0.0, 5.0, 1.0], [0.0, 2.0, 7.0, 7.0]])
     values = torch.tensor([[0.5, 0.2, 9.0, 0.4], [1.0, 1.0, 9.0, 9.0]])

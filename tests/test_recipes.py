@@ -56,7 +56,7 @@ def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
     assert type(train) is config_cls
     recipe = _recipe(algo)
     for key, value in recipe.items():  # every recipe value reached the dataclass it belongs to, unchanged
-        if key in ("bf16", "output_dir", "env"):
+        if key in ("bf16", "output_dir", "env", "report_to"):  # overridden for CPU / normalised by transformers
             continue
         holder = next(obj for obj in (script, train, model) if hasattr(obj, key))
         got = getattr(holder, key)
@@ -65,8 +65,7 @@ def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
             assert got == pytest.approx(float(value)), key
         else:
             assert got == value, (key, got, value)
-    for key, value in recipe.items():  # a few of the numbers the issue fixes
-        pass
+    # a few of the numbers the papers fix
     if algo == "dapo":
         assert (train.num_generations, train.epsilon, train.epsilon_high, train.beta) == (16, 0.2, 0.28, 0.0)
         assert train.lr_scheduler_type.value == "constant_with_warmup" and train.learning_rate == 1e-6

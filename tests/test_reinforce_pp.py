@@ -3,8 +3,8 @@ rewards, masks and (independently recomputed) KL; and both variants learn the to
 
 import pytest
 import torch
-from conftest import toy_args
-from test_rloo import perturb, reward_curve
+from conftest import perturb, toy_args
+from test_rloo import reward_curve
 
 from trl_ppo_variants.advantages import kl_estimate, reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from trl_ppo_variants.toy import addition_reward

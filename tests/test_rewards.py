@@ -196,7 +196,9 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
 def test_adversarial_strings_in_bounded_time(name):
     """Each adversarial completion is extracted, normalised, compared and voted on in < 1 s, and nothing is evaluated
-    (a `9^{9^{...}}` tower or `100000000!` would not finish if it were)."""
+    (a `9^{9^{...}}` tower or `100000000!` would not finish if it were). With `math-verify` installed,
+    `math_accuracy` may also spend up to its hard worker timeout (2 s) on a symbolic comparison, killed there."""
+    bound = 1.0 + (2.0 if R.math_verify_available() else 0.0)
     text = ADVERSARIAL[name]
     start = time.perf_counter()
     answer = R.extract_math_answer(text)
@@ -208,7 +210,7 @@ def test_adversarial_strings_in_bounded_time(name):
     R.majority_vote_rewards(R.extract_answers([text, text, "1", "1"]), 4)
     R.math_accuracy([text], answer=["1"])
     R.format_reward([text])
-    assert time.perf_counter() - start < 1.0, name
+    assert time.perf_counter() - start < bound, name
 
 
 def _c_level_hang():

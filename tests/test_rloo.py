@@ -4,21 +4,13 @@
 import pytest
 import torch
 import trl
-from conftest import toy_args
+from conftest import logged_rewards, perturb, toy_args
 
 from trl_ppo_variants.advantages import grpo_advantages, rloo_advantages
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 
 NAN = float("nan")
-
-
-def perturb(model, seed, scale):
-    """The same seeded random step on the weights of any copy of the toy model."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
 
 
 def grads(model):
@@ -149,7 +141,7 @@ def reward_curve(trainer_cls, config_cls, toy_model_dir, tmp_path, **overrides):
     args = toy_args(config_cls, tmp_path, **settings)
     trainer = trainer_cls(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(2048, seed=0))
     trainer.train()
-    return [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return logged_rewards(trainer)
 
 
 @pytest.mark.timeout(240)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import toy_args
+from conftest import logged_rewards, quarter_means, toy_args
 from safetensors import safe_open
 from transformers import TrainerCallback
 
@@ -260,9 +260,7 @@ def test_vapo_learns(tmp_path, toy_model_dir):
     trainer = VAPOTrainer(toy_model_dir, addition_reward, args=args,
                           train_dataset=addition_dataset(16 * LEARN_STEPS, seed=LEARN_SEED))
     trainer.train()
-    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    k = len(rewards) // 4
-    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    first, last = quarter_means(logged_rewards(trainer))
     assert last > first + LEARN_MARGIN, (first, last)
 
 

@@ -203,6 +203,7 @@ def build_parser(algorithm: str):
     parser = _make_parser_class()(
         (VariantScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig),
         prog=f"{PROG} {algorithm}",
+        allow_abbrev=False,  # `--learning 1e-5` must be an unknown field, not a silent prefix of learning_rate
         description=f"{ALGORITHMS[algorithm].summary}. Every field below can also be set in the --config YAML recipe.",
     )
     parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command-line fields override it.")

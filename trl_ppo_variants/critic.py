@@ -97,7 +97,8 @@ def build_critic(policy: nn.Module, value_model_path: str | None = None, **init_
         if not value_model_path or not os.path.isdir(value_model_path):
             raise ValueError(
                 "value_model_path: expected a checkpoint directory to initialise the critic from under ZeRO-3 (the "
-                f"policy's parameters are partitioned and it was not loaded from a local path), got {value_model_path!r}"
+                "policy's parameters are partitioned and it was not loaded from a local path), got "
+                f"{value_model_path!r}"
             )
     if value_model_path is not None:
         critic = AutoModelForTokenClassification.from_pretrained(value_model_path, **init_kwargs)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -34,12 +35,26 @@ ALGO_SETTINGS: dict[str, dict] = {
     "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
     "dapo": {"max_generation_rounds": 2},
     "ppo": {"kl_in_reward_coef": 0.0, "critic_learning_rate": 3e-3},
-    "vapo": {"value_pretrain_steps": 5, "critic_learning_rate": 3e-3},
-    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer"},
+    # the toy's 2-3 token answers would get VAPO's length-adaptive lambda 1 - 1 / (0.05 * l) < 0, clamped to 0: pure
+    # one-step TD on a critic trained for 5 steps. A fixed lam_policy suits answers this short.
+    "vapo": {"value_pretrain_steps": 5, "critic_learning_rate": 3e-3, "length_adaptive_alpha": None},
+    # TTRL sharpens the policy onto its own majority answers: at 1e-3 the toy collapses onto wrong ones (label accuracy
+    # 0.75 -> 0 in 40 steps, measured), the failure mode a label-free method risks with a too-large step
+    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "learning_rate": 1e-4,
+             "answer_extractor": "trl_ppo_variants.demo:first_number"},
 }
 
+def first_number(completion) -> str | None:
+    """TTRL's answer extractor for the toy task: the first number, as `toy.addition_reward` reads it (the built-in
+    `math` extractor takes the last number, which differs on a truncated completion such as `"7+3"`)."""
+    from .rewards import completion_text
+
+    match = re.search(r"-?\d+", completion_text(completion))
+    return match.group(0) if match else None
+
+
 COMMON = dict(
-    per_device_train_batch_size=16,
+    per_device_train_batch_size=64,  # 16 prompts x 4 completions: a toy step is overhead-bound, so this is ~free
     num_generations=4,
     max_completion_length=3,
     learning_rate=1e-3,
@@ -102,7 +117,7 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
     settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
     if algo == "ttrl":  # n_votes sets num_generations; the batch counts generated completions
         settings.pop("num_generations")
-        settings["per_device_train_batch_size"] = 32
+        settings["per_device_train_batch_size"] = max(settings["per_device_train_batch_size"], 2 * settings.get("n_votes", 8))
     fields = set(config_cls.__dataclass_fields__)
     args = config_cls(**{k: v for k, v in settings.items() if k in fields})
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
@@ -128,7 +143,7 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
     curve = [e["reward"] for e in trainer.state.log_history if "reward" in e]
     steps_done = max(trainer.state.global_step, 1)
     return {"algorithm": algo, "before": before, "after": after, "sec_per_step": seconds / steps_done,
-            "steps": steps_done, "curve": curve, "model_dir": args.output_dir}
+            "steps": steps_done, "curve": curve, "model_dir": args.output_dir, "log_history": trainer.state.log_history}
 
 
 def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
@@ -182,7 +197,8 @@ def plot_curves(rows: list[dict], path: str) -> str | None:
         window = 5  # moving average: a toy batch is 16 completions, so one step's mean is noisy
         smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
                   for i in range(len(curve))]
-        ax.plot(range(1, len(curve) + 1), smooth, label=r["algorithm"])
+        label = r["algorithm"] + (" (agreement with its vote)" if r["algorithm"] == "ttrl" else "")
+        ax.plot(range(1, len(curve) + 1), smooth, label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("mean sampled reward (moving average, 5 steps)")
     ax.set_title("trl-ppo-variants demo: toy addition task, tiny Qwen3")
@@ -225,6 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     from .toy import make_toy_checkpoint
 
     transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # weight loading/saving bars would interleave with ours
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+    except ImportError:
+        pass
     os.makedirs(opts.output_dir, exist_ok=True)
     base_dir = os.path.join(opts.output_dir, "base_model")
     print(f"demo: building the tiny model and warm-starting it ({WARM_STEPS} supervised steps) -> {base_dir}")

@@ -41,7 +41,6 @@ from ..critic import (
     detached_critic,
     explained_variance,
     get_critic,
-    is_critic_key,
     load_critic,
     policy_module,
     save_critic,
@@ -114,7 +113,7 @@ class PPOConfig(VariantConfig):
     )
     kl_in_reward_coef: float = field(
         default=0.05,
-        metadata={"help": "Coefficient of the per-token k1 KL subtracted from the token rewards (loads the reference)."},
+        metadata={"help": "Coefficient of the per-token k1 KL subtracted from the token rewards (loads the ref)."},
     )
 
     def __post_init__(self):
@@ -169,6 +168,7 @@ class PPOTrainer(VariantTrainer):
         self._capture_policy_logps = False
         self._policy_logps = None
         self._exporting = False
+        self._pushing = False
         self._targets = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self.is_fsdp_enabled:
@@ -205,9 +205,12 @@ class PPOTrainer(VariantTrainer):
         """Trainer's optimizer, with each param group split into the policy's and the critic's (critic lr)."""
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
-        if not fresh:
-            return optimizer
         critic_ids = {id(p) for p in self.critic.parameters()}
+        if not fresh:  # passed in by the user (`optimizers=`): built before the critic existed, it would never train it
+            held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            check(critic_ids <= held, "optimizers", "(None, None) or an optimizer holding the critic's parameters "
+                  "(the trainer creates the critic: let it create the optimizer)", "an optimizer without them")
+            return optimizer
         groups = []
         for group in optimizer.param_groups:
             for role in ("policy", "critic"):
@@ -383,11 +386,20 @@ class PPOTrainer(VariantTrainer):
 
     # -------------------------------------------------------------------------------------------- save / load
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        self._exporting = not _internal_call
+        self._exporting = not _internal_call or self._pushing
         try:
             super().save_model(output_dir, _internal_call)
         finally:
             self._exporting = False
+
+    def push_to_hub(self, *args, **kwargs):
+        # transformers' push saves with `_internal_call=True` (the checkpoint path): what goes to the Hub is an
+        # export, the policy without `critic.*` keys and the critic in `value_model/` when `save_value_model`
+        self._pushing = True
+        try:
+            return super().push_to_hub(*args, **kwargs)
+        finally:
+            self._pushing = False
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
@@ -424,4 +436,4 @@ def _innermost_optimizer(optimizer):
     return optimizer
 
 
-__all__ = ["PPOConfig", "PPOTrainer", "is_critic_key"]
+__all__ = ["PPOConfig", "PPOTrainer"]

@@ -142,6 +142,8 @@ class TTRLTrainer(VariantTrainer):
             raise TypeError(f"args: expected a TTRLConfig, got {type(args).__name__}")
         extra = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
+        # the vote is always the first reward; naming it (as a recipe may: reward_funcs: [majority_vote]) is a no-op
+        extra = [f for f in extra if f != "majority_vote"]
         # our built-in names and module:function paths; any other string stays a reward-model id for TRL
         extra = [R.get_reward_function(f) if isinstance(f, str) and (f in R.REWARD_FUNCTIONS or ":" in f) else f
                  for f in extra]

@@ -161,7 +161,8 @@ class VAPOTrainer(PPOTrainer):
         for group in self.optimizer.param_groups:
             if group.get(GROUP_ROLE) == "policy":
                 group["weight_decay"] = 0.0 if frozen else group.get(GROUP_WEIGHT_DECAY, group["weight_decay"])
-        if not frozen and self.args.value_pretrain_steps > 0 and self.state.global_step == self.args.value_pretrain_steps:
+        end = self.args.value_pretrain_steps
+        if not frozen and end > 0 and self.state.global_step == end:
             self._reset_policy_optimizer_state()
 
     def _reset_policy_optimizer_state(self) -> int:
