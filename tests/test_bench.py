@@ -115,7 +115,8 @@ def test_suite_quick_grpo_and_rloo(tmp_path):
     assert r["status"] == "ok" and r["steps_measured"] == 4
     assert r["median_step_s"] > 0 and r["time_ratio"] > 0
     assert r["memory"]["peak_mb"] > r["memory"]["delta_mb"] > 0
-    assert r["verdict"] in ("PASS", "MISS") and r["target"] == "time <= 1.05x"
+    # a MISS whose 90% interval reaches the bound is annotated "MISS (within noise: ...)"
+    assert r["verdict"].split(" ")[0] in ("PASS", "MISS") and r["target"] == "time <= 1.05x"
     assert len(data["reward_curves"]["rloo"]) == 5  # one logged reward per step (1 warm-up + 4)
     assert (out / "reward_curves.png").stat().st_size > 1000
     md = (out / "suite.md").read_text()

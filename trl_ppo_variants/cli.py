@@ -645,6 +645,9 @@ def run(algorithm: str, args: list[str]) -> int:
         trainer.accelerator.print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
     if hasattr(trainer, "end"):
         trainer.end()
+    from .distributed import shutdown
+
+    shutdown()  # a process group left to interpreter exit can abort a finished run (SIGABRT)
     return 0
 
 

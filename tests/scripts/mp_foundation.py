@@ -91,3 +91,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from trl_ppo_variants.distributed import shutdown
+
+    shutdown()  # a process group left to interpreter exit can abort a finished run (SIGABRT)

@@ -130,6 +130,18 @@ class VariantTrainer(GRPOTrainer):
         self.beta = 1.0 if self.needs_reference else 0.0
         guards.check_model_limits(self)
 
+    #: the config class this trainer takes (a subclass sets its own)
+    config_class = VariantConfig
+
+    @classmethod
+    def resolve_args(cls, args):
+        """`args`, or the config's defaults when None; anything but this trainer's config class is refused."""
+        if args is None:
+            return cls.config_class(output_dir=f"{cls._tag_names[-1]}-output")
+        if not isinstance(args, cls.config_class):
+            raise TypeError(f"args: expected a {cls.config_class.__name__}, got {type(args).__name__}")
+        return args
+
     # -------------------------------------------------------------------------------------------- hooks
     def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
         """Advantages for the global batch: (N,) or (N, T). `rewards` is (N,) (NaN: unscorable), `batch` the global

@@ -297,12 +297,10 @@ class DAPOTrainer(VariantTrainer):
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "dapo"]
+    config_class = DAPOConfig
 
     def __init__(self, model, reward_funcs, args: DAPOConfig | None = None, **kwargs):
-        if args is None:
-            args = DAPOConfig(output_dir="dapo-output")
-        if not isinstance(args, DAPOConfig):
-            raise TypeError(f"args: expected a DAPOConfig, got {type(args).__name__}")
+        args = self.resolve_args(args)
         funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self._overlong_func = None
         user_weights = args.reward_weights

@@ -161,10 +161,7 @@ class PPOTrainer(VariantTrainer):
     config_class = PPOConfig
 
     def __init__(self, model, reward_funcs, args: PPOConfig | None = None, **kwargs):
-        if args is None:
-            args = self.config_class(output_dir=f"{self._tag_names[-1]}-output")
-        if not isinstance(args, self.config_class):
-            raise TypeError(f"args: expected a {self.config_class.__name__}, got {type(args).__name__}")
+        args = self.resolve_args(args)
         self._capture_policy_logps = False
         self._policy_logps = None
         self._exporting = False

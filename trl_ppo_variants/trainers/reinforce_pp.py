@@ -94,13 +94,11 @@ class ReinforcePPTrainer(VariantTrainer):
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "reinforce_pp"]
+    config_class = ReinforcePPConfig
     needs_global_batch = True
 
     def __init__(self, model, reward_funcs, args: ReinforcePPConfig | None = None, **kwargs):
-        if args is None:
-            args = ReinforcePPConfig(output_dir="reinforce_pp-output")
-        if not isinstance(args, ReinforcePPConfig):
-            raise TypeError(f"args: expected a ReinforcePPConfig, got {type(args).__name__}")
+        args = self.resolve_args(args)
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
     def compute_advantages(self, rewards, batch, group_size):

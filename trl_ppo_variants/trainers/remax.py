@@ -134,12 +134,10 @@ class ReMaxTrainer(VariantTrainer):
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "remax"]
+    config_class = ReMaxConfig
 
     def __init__(self, model, reward_funcs, args: ReMaxConfig | None = None, **kwargs):
-        if args is None:
-            args = ReMaxConfig(output_dir="remax-output")
-        if not isinstance(args, ReMaxConfig):
-            raise TypeError(f"args: expected a ReMaxConfig, got {type(args).__name__}")
+        args = self.resolve_args(args)
         for name in ("rollout_func", "environment_factory"):
             check(kwargs.get(name) is None, name,
                   "None (ReMax generates its greedy rows inside TRL's own generation path)", kwargs.get(name))

@@ -82,12 +82,10 @@ class RLOOTrainer(VariantTrainer):
     is subtracted from the reward first. The policy loss is `GRPOTrainer`'s (set by `loss_type`)."""
 
     _tag_names = ["trl", "trl-ppo-variants", "rloo"]
+    config_class = RLOOConfig
 
     def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, **kwargs):
-        if args is None:
-            args = RLOOConfig(output_dir="rloo-output")
-        if not isinstance(args, RLOOConfig):
-            raise TypeError(f"args: expected an RLOOConfig, got {type(args).__name__}")
+        args = self.resolve_args(args)
         beta = args.beta
         args.kl_in_reward_coef = beta  # follows `beta` even if it was changed after the config was built
         args.beta = 0.0  # the KL goes into the reward (kl_in_reward_coef), not the loss

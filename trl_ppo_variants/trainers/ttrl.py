@@ -134,12 +134,10 @@ class TTRLTrainer(VariantTrainer):
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "ttrl"]
+    config_class = TTRLConfig
 
     def __init__(self, model, reward_funcs=None, args: TTRLConfig | None = None, **kwargs):
-        if args is None:
-            args = TTRLConfig(output_dir="ttrl-output")
-        if not isinstance(args, TTRLConfig):
-            raise TypeError(f"args: expected a TTRLConfig, got {type(args).__name__}")
+        args = self.resolve_args(args)
         extra = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
             else [reward_funcs]
         # the vote is always the first reward; naming it (as a recipe may: reward_funcs: [majority_vote]) is a no-op
