@@ -106,3 +106,21 @@ def test_resumable_sampler_draws_trl_order():
         trainer.state.epoch = epoch + 0.5
         assert list(ours) == trl_passes[epoch]
     assert len(ours) == len(trl_sampler)
+
+
+@pytest.mark.timeout(300)
+def test_vapo_resume_during_value_pretraining_is_exact(toy_model_dir, tmp_path):
+    """A checkpoint in the middle of VAPO's value pre-training (step 3 of 4 pre-training steps, 6 in all): the resumed
+    run pre-trains exactly one more step, then trains the policy, and ends equal to the uninterrupted run."""
+    if "vapo" not in available_specs():
+        pytest.fail("the VAPO trainer is missing")
+    common = dict(max_steps=6, save_strategy="steps", save_steps=STOP, value_pretrain_steps=4)
+    full = make_trainer("vapo", toy_model_dir, tmp_path, "full", **common)
+    full.train()
+    stopped = make_trainer("vapo", toy_model_dir, tmp_path, "stopped", callbacks=[StopAt(STOP)], **common)
+    stopped.train()
+    assert stopped.state.global_step == STOP
+    resumed = make_trainer("vapo", toy_model_dir, tmp_path, "stopped", **common)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    _assert_same_run(full, resumed, STOP)
