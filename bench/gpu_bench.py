@@ -33,12 +33,9 @@ import tempfile
 import time
 import traceback
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+from trl_ppo_variants.toy import use_offline_env  # noqa: E402
+
+use_offline_env(TRANSFORMERS_VERBOSITY="error")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/algos.py; the package itself is the installed one (on the GPU: its wheel)

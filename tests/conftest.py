@@ -1,12 +1,8 @@
 """Shared fixtures: the offline tiny model and toy task (see `trl_ppo_variants/toy.py`). No network is used."""
 
-import os
+from trl_ppo_variants.toy import use_offline_env
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+use_offline_env()
 
 import pytest
 import torch

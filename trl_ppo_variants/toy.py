@@ -15,6 +15,22 @@ import tempfile
 
 import torch
 
+#: what the tests, the demo and the benchmarks set: nothing reaches the Hub, no tracker, quiet libraries
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "WANDB_DISABLED": "true",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def use_offline_env(**extra: str) -> None:
+    """Set `OFFLINE_ENV` (and `extra`) in `os.environ` where not already set; call before importing transformers."""
+    for key, value in {**OFFLINE_ENV, **extra}.items():
+        os.environ.setdefault(key, value)
+
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
