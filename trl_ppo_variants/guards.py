@@ -202,6 +202,12 @@ class RewardGuard:
             self.failure = (index, self.BAD_OUTPUT, f"returned {exc}")
             return [None] * expected
 
+    def _raised(self, index, exc, expected):
+        """Record that reward function `index` raised `exc`; its rows become unscorable until `raise_if_failed`."""
+        self.failure = (index, self.RAISED, f"raised {type(exc).__name__}: {_one_line(exc, 120)}")
+        self.exception = exc
+        return [None] * expected
+
     def _sync_wrapper(self, index, func):
         def guarded(*args, **kwargs):
             expected = len(kwargs.get("prompts", self.prompts))
@@ -210,9 +216,7 @@ class RewardGuard:
             try:
                 output = func(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - re-raised below, on every process, with the batch named
-                self.failure = (index, self.RAISED, f"raised {type(exc).__name__}: {_one_line(exc, 120)}")
-                self.exception = exc
-                return [None] * expected
+                return self._raised(index, exc, expected)
             return self._check(index, output, expected)
 
         guarded.__name__ = getattr(func, "__name__", type(func).__name__)
@@ -226,9 +230,7 @@ class RewardGuard:
             try:
                 output = await func(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001
-                self.failure = (index, self.RAISED, f"raised {type(exc).__name__}: {_one_line(exc, 120)}")
-                self.exception = exc
-                return [None] * expected
+                return self._raised(index, exc, expected)
             return self._check(index, output, expected)
 
         guarded.__name__ = getattr(func, "__name__", type(func).__name__)
