@@ -683,5 +683,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def entry() -> None:
+    """The `trl-ppo-variants` command and `python -m trl_ppo_variants`: `main`, then `distributed.finish` with its
+    exit status, so a finished multi-process run cannot be turned into a failure by interpreter teardown."""
+    from .distributed import finish
+
+    finish(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

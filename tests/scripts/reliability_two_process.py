@@ -108,6 +108,6 @@ def main():
 
 if __name__ == "__main__":
     main()
-    from trl_ppo_variants.distributed import shutdown
+    from trl_ppo_variants.distributed import finish
 
-    shutdown()  # a process group left to interpreter exit can abort a finished run (SIGABRT)
+    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown

@@ -1,0 +1,25 @@
+"""Launched by tests/test_distributed.py with `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU).
+
+Usage: finish_two_process.py OUT_DIR CODE
+
+Each rank joins the process group, registers an atexit handler that writes OUT_DIR/atexit_rank{r}, prints a line
+(stdout is a pipe, so it sits in Python's buffer), and ends with `distributed.finish(CODE)`.
+"""
+
+import atexit
+import os
+import sys
+
+import torch.distributed as dist
+
+from trl_ppo_variants.distributed import finish
+
+out_dir, code = sys.argv[1], int(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+t = __import__("torch").ones(1)
+dist.all_reduce(t)
+atexit.register(lambda: open(os.path.join(out_dir, f"atexit_rank{rank}"), "w").write("ran"))
+print(f"FINISH-RANK{rank} world={int(t.item())}")
+finish(code)
+raise AssertionError("finish returned")

@@ -1,0 +1,58 @@
+"""`distributed.finish`: the exit status of a run is its own, atexit handlers run and buffered output is flushed, in
+one process, in the teardown-free exit path and in two processes (gloo, CPU). Script: tests/scripts/finish_two_process.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 29691  # this test's port (other tests' ranges must not overlap)
+
+
+def _buffered_env(**extra):
+    """stdout to a pipe is block-buffered unless PYTHONUNBUFFERED is set (CI sets it): unset it, so the test sees
+    whether `finish` flushes."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize("call,code", [
+    ("finish(3)", 3),  # one process: plain sys.exit
+    ("exit_without_teardown(5); raise SystemExit(9)", 5),  # the multi-process path, without the process group
+])
+def test_exit_status_atexit_and_flushed_output_in_one_process(tmp_path, call, code):
+    marker = tmp_path / "atexit"
+    script = (f"import atexit; atexit.register(lambda: open({str(marker)!r}, 'w').write('ran')); "
+              f"print('buffered', end=''); from trl_ppo_variants.distributed import *; {call}")
+    proc = subprocess.run([sys.executable, "-c", script], env=_buffered_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert proc.stdout == "buffered"
+    assert marker.read_text() == "ran"
+
+
+def _launch(out_dir, code):
+    accelerate = Path(sys.executable).with_name("accelerate")
+    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--mixed_precision", "no", "--main_process_port", str(PORT),
+           str(ROOT / "tests" / "scripts" / "finish_two_process.py"), str(out_dir), str(code)]
+    env = _buffered_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_exit_with_their_status_after_atexit_and_flush(tmp_path):
+    proc = _launch(tmp_path, 0)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        assert f"FINISH-RANK{rank} world=2" in proc.stdout  # flushed before os._exit
+        assert (tmp_path / f"atexit_rank{rank}").read_text() == "ran"
+    assert "finish returned" not in proc.stderr
+
+    failed = _launch(tmp_path, 7)  # a failing run stays a failure
+    assert failed.returncode != 0
+    assert "exitcode: 7" in failed.stderr or "exit code: 7" in failed.stderr.lower(), failed.stderr[-2000:]
