@@ -29,7 +29,8 @@ def _world_size() -> int:
 def finish(code: int = 0):
     """End the process of a finished run with exit status `code`, never with a teardown crash.
 
-    In one process this is `sys.exit(code)`. In a multi-process run it calls `shutdown`, runs what was registered with
+    In one process this is `sys.exit(code)`. In a multi-process run it calls `shutdown` (only when `code` is 0: a failed
+    process leaves at once, without waiting for its peers), runs what was registered with
     `atexit` (loggers and trackers such as wandb finish there), flushes stdout and stderr, and leaves with
     `os._exit(code)`, skipping the interpreter's finalization. Why: even after a barrier and `destroy_process_group`, a
     2-process DeepSpeed ZeRO-3 run on CPU aborted in CI *after* its model and card were saved ("terminate called
@@ -38,7 +39,8 @@ def finish(code: int = 0):
     Everything the run writes is written and closed by then, so only the finalization is skipped.
     """
     multi = _world_size() > 1
-    shutdown()
+    if code == 0:
+        shutdown()  # a failed process must not wait at a barrier for peers that may be stuck; the launcher ends them
     if not multi:
         sys.exit(code)
     exit_without_teardown(code)
