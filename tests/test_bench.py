@@ -3,6 +3,7 @@ the CPU suite in its quickest mode, and the pure parts (target verdicts, the met
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -121,4 +122,5 @@ def test_suite_quick_grpo_and_rloo(tmp_path):
     assert (out / "reward_curves.png").stat().st_size > 1000
     md = (out / "suite.md").read_text()
     assert "| RLOO |" in md and "| GRPO (TRL) |" in md
-    assert ("PASS: RLOO" in proc.stdout) or ("MISS: RLOO" in proc.stdout)
+    # "PASS: RLOO: ...", "MISS: RLOO: ..." or "MISS (within noise: ...): RLOO: ..." (timings on a shared machine)
+    assert re.search(r"^(PASS|MISS)( \(within noise[^)]*\))?: RLOO: ", proc.stdout, flags=re.M), proc.stdout[-2000:]

@@ -96,6 +96,11 @@ def test_trainer_level_config_errors(tmp_path, toy_model_dir, toy_dataset):
     with pytest.raises(ValueError, match=r"^dynamic_sampling: expected False with an IterableDataset"):
         DAPOTrainer(toy_model_dir, addition_reward, args=toy_args(DAPOConfig, tmp_path),
                     train_dataset=toy_dataset.to_iterable_dataset())
+    class TokenLevel(DAPOTrainer):  # dynamic sampling never builds the global rollout such an estimator reads
+        needs_global_batch = True
+
+    with pytest.raises(ValueError, match=r"^dynamic_sampling: expected False for TokenLevel"):
+        TokenLevel(toy_model_dir, addition_reward, args=toy_args(DAPOConfig, tmp_path), train_dataset=toy_dataset)
     with pytest.raises(TypeError, match="DAPOConfig"):
         from trl import GRPOConfig
 
@@ -121,7 +126,7 @@ def test_accumulator_keeps_groups_with_spread_and_trims_the_last_round():
     assert not acc.full and acc.num_kept == 2
     acc.add_round(*_round([0, 1, 1, 0, 0.5, 0.5], first_row=8, width=3))  # spread, spread (surplus), none
     assert acc.full
-    batch, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=-1)
+    batch, sources, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=-1)
     assert not exhausted and real_rows == 6
     assert positions.tolist() == [2, 3, 6, 7, 8, 9]  # the surplus group (rows 10, 11) is trimmed
     assert batch["completion_ids"][:, 0].tolist() == [2, 3, 6, 7, 8, 9]
@@ -130,13 +135,50 @@ def test_accumulator_keeps_groups_with_spread_and_trims_the_last_round():
     assert (acc.rounds, acc.groups_generated, acc.dropped_correct, acc.dropped_wrong) == (2, 7, 2, 1)
     # never a duplicated row
     assert len(set(positions.tolist())) == positions.numel()
+    assert sources.tolist() == [0] * 6  # one process holds every row
+
+
+def _split_round(rollout, rpf, values, world, rank):
+    """A round as process `rank` of `world` sees it: its contiguous share of the rows, the gathered rewards."""
+    n = values.shape[0] // world
+    return {k: v[rank * n : (rank + 1) * n] for k, v in rollout.items()}, rpf, values
+
+
+@pytest.mark.parametrize("rounds,target,multiple", [
+    ([[1, 1, 0, 1, 0, 0, 1, 0], [0, 1, 1, 0, 0.5, 0.5, 1, 1]], 3, 1),  # full, surplus trimmed, groups split
+    ([[1, 0, 1, 1, 0, 1, 0, 0], [1, 1, 0, 1, 0, 0, 0, 0]], 4, 2),  # exhausted: rounded down
+    ([[1, 1, 0, 0, 1, 1, 0, 1]], 4, 2),  # exhausted: padded with a dropped group
+    ([[0, 1, 1, 0, 1, 1], [1, 0, 0, 0, 0, 1]], 3, 1),  # 3 rows per process: groups 1 and 4 span both processes
+])
+def test_accumulator_on_two_processes_holds_only_local_rows(rounds, target, multiple):
+    """Each process keeps only its own rows of the kept groups; together, in the order `sources` gives, they are the
+    one-process batch, and every process agrees on sources, rewards and positions."""
+    def run(world, rank):
+        acc = GroupAccumulator(target_groups=target, group_size=2, multiple=multiple, rank=rank, world=world)
+        first = 0
+        for values in rounds:
+            acc.add_round(*_split_round(*_round(values, first_row=first), world, rank))
+            first += len(values)
+        return acc.finalize(pad_token_id=0)
+
+    single = run(1, 0)
+    ranks = [run(2, r) for r in range(2)]
+    for part in (1, 2, 3, 4, 5):  # sources, rewards, positions, real rows, exhausted: identical everywhere
+        assert all(torch.equal(torch.as_tensor(r[part]), torch.as_tensor(ranks[0][part])) for r in ranks)
+    sources, positions = ranks[0][1], ranks[0][3]
+    assert torch.equal(positions, single[3]) and torch.equal(ranks[0][2], single[2])
+    per_rank_rows = len(rounds[0]) // 2
+    assert sources.tolist() == [(p % len(rounds[0])) // per_rank_rows for p in positions.tolist()]
+    for rank in range(2):  # each rank holds exactly its rows, in order (completion_ids carry the row number)
+        local_ids = ranks[rank][0]["completion_ids"][:, 0].tolist()
+        assert local_ids == [p for p, s in zip(positions.tolist(), sources.tolist()) if s == rank]
 
 
 def test_accumulator_exhaustion_rounds_down_to_the_multiple():
     acc = GroupAccumulator(target_groups=4, group_size=2, multiple=2)
     acc.add_round(*_round([1, 0, 1, 1, 0, 1, 0, 0], first_row=0))  # spread, -, spread, -
     acc.add_round(*_round([1, 1, 0, 1, 0, 0, 0, 0], first_row=8))  # -, spread, -, -
-    batch, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
+    batch, sources, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
     assert exhausted and acc.num_kept == 3
     assert real_rows == 4 and positions.tolist() == [0, 1, 4, 5]  # 3 kept groups -> 2 (a multiple of 2)
     assert batch["completion_ids"].shape[0] == 4
@@ -145,12 +187,12 @@ def test_accumulator_exhaustion_rounds_down_to_the_multiple():
 def test_accumulator_exhaustion_pads_with_dropped_groups_when_too_few():
     acc = GroupAccumulator(target_groups=4, group_size=2, multiple=2)
     acc.add_round(*_round([1, 1, 0, 0, 1, 1, 0, 1], first_row=0))  # -, -, -, spread
-    batch, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
+    batch, sources, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
     assert exhausted and real_rows == 2
     assert positions.tolist() == [6, 7, 0, 1]  # the kept group, then the first dropped group as a placeholder
     acc = GroupAccumulator(target_groups=4, group_size=2, multiple=2)
     acc.add_round(*_round([1, 1, 0, 0, 1, 1, 0, 0], first_row=0))  # nothing has a spread
-    batch, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
+    batch, sources, rpf, positions, real_rows, exhausted = acc.finalize(pad_token_id=0)
     assert exhausted and real_rows == 0 and positions.tolist() == [0, 1, 2, 3]
 
 

@@ -76,12 +76,36 @@ class _World:
         return out
 
 
+    def all_to_all(self, rank, dst, src, dst_splits, src_splits):
+        self.slots[rank] = (src, src_splits)
+        self.barrier.wait()
+        parts = []
+        for q in range(self.n):
+            q_src, q_splits = self.slots[q]
+            start = sum(q_splits[:rank])
+            assert q_splits[rank] == dst_splits[q], "send and receive counts disagree"
+            parts.append(q_src[start : start + q_splits[rank]])
+        dst.copy_(torch.cat(parts, dim=0))
+        self.barrier.wait()
+
+
 class _Acc:
     def __init__(self, world, rank, n):
         self.world, self.process_index, self.num_processes = world, rank, n
 
     def gather(self, t):
         return self.world.gather(self.process_index, t) if self.num_processes > 1 else t
+
+    def reduce(self, t, reduction="sum"):
+        assert reduction == "sum"
+        return self.gather(t.reshape(1)).sum() if self.num_processes > 1 else t
+
+
+@pytest.fixture
+def threaded_exchange(monkeypatch):
+    """`selection._exchange` (torch.distributed.all_to_all_single) between the simulated ranks."""
+    monkeypatch.setattr(selection, "_exchange", lambda acc, dst, src, dst_splits, src_splits: acc.world.all_to_all(
+        acc.process_index, dst, src, dst_splits, src_splits))
 
 
 def _run_ranks(n, fn):
@@ -220,3 +244,55 @@ def test_unknown_or_multimodal_keys_are_refused():
         selection.gather_rollout(acc, {**g, "pixel_values": torch.zeros(7, 3)}, 2, PAD)
     # a per-row scalar of unknown meaning is fine: it is moved like the rows
     assert selection.gather_rollout(acc, {**g, "score": torch.ones(2)}, 2, PAD)["score"].tolist() == [1.0, 1.0]
+
+
+# ------------------------------------------------------------------------------------------------ redistribute_rows
+def _own_widths(rows):
+    """The rows as a process would hold them: trimmed to the widths its own rows use."""
+    p_used = int(rows["prompt_mask"].sum(dim=1).max()) if rows["prompt_mask"].numel() else 1
+    c_used = int(rows["completion_mask"].sum(dim=1).max()) if rows["completion_mask"].numel() else 1
+    out = {}
+    for key, value in rows.items():
+        if key in selection.PROMPT_KEYS:
+            out[key] = value[:, value.shape[1] - max(p_used, 1):]
+        elif key in ("completion_ids", "completion_mask", "old_per_token_logps", "tool_mask"):
+            out[key] = value[:, : max(c_used, 1)]
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("world,sources", [
+    (2, [0, 0, 1, 0, 1, 1]),  # rank 0 sends one row to rank 1 and receives one from it
+    (2, [1, 1, 1, 0, 0, 0]),  # every row changes process
+    (3, [2, 0, 0, 1, 2, 2, 1, 0, 1]),
+    (2, [0, 0, 0, 0]),  # rank 1 holds no row of the batch
+])
+def test_redistribute_rows_equals_gather_then_localize(threaded_exchange, world, sources):
+    K = len(sources)
+    torch.manual_seed(K + world)
+    g = _rollout(torch.randint(1, 5, (K,)).tolist(), torch.randint(1, 6, (K,)).tolist(), 1)
+    g.pop("num_items_in_batch")
+    tools = torch.randint(0, 2, g["completion_ids"].shape)
+    g["tool_mask"] = torch.where(g["completion_mask"].bool(), tools, torch.ones_like(tools))  # 1 on padding, as TRL
+    src = torch.tensor(sources)
+    expected = _run_ranks(world, lambda acc: selection.localize_rollout(acc, g, torch.arange(K)))
+
+    def step(acc):
+        local = _own_widths({k: v[src == acc.process_index] for k, v in g.items()})
+        return selection.redistribute_rows(acc, local, src, PAD)
+
+    for rank, (got, want) in enumerate(zip(_run_ranks(world, step), expected)):
+        assert sorted(got) == sorted(want), rank
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"rank {rank}: {key}"
+
+
+def test_redistribute_rows_one_process_and_uneven_split(threaded_exchange):
+    g = _rollout([2, 1, 3, 1], [1, 4, 2, 1], 1)
+    g.pop("num_items_in_batch")
+    got = _run_ranks(1, lambda acc: selection.redistribute_rows(acc, dict(g), torch.zeros(4, dtype=torch.long), PAD))
+    want = _run_ranks(1, lambda acc: selection.localize_rollout(acc, g, torch.arange(4)))
+    assert sorted(got[0]) == sorted(want[0]) and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
+    with pytest.raises(ValueError, match="evenly over 2 processes"):
+        selection.redistribute_rows(_Acc(None, 0, 2), g, torch.tensor([0, 0, 1]), PAD)

@@ -3,10 +3,12 @@
 Two layers:
 - pure functions on gathered (global) tensors that decide *which* rows to keep (`group_spread_mask`, `group_rows`,
   `group_multiple`, `exhausted_group_count`);
+- `redistribute_rows`, which hands every process its equal share of the selected rows, moving only rows between
+  processes (one all-to-all per key): the decision is taken once on gathered rewards, identically on every rank, and
+  every process ends with the same number of rows (TRL's collectives hang when ranks disagree);
 - `gather_rollout` / `concat_rollouts` / `localize_rollout`, which move a rollout batch (the dict TRL's
-  `_generate_and_score_completions` returns) between the per-process view and the global view, so that selection is
-  done once on the global batch and every process ends with the same number of rows (TRL's collectives hang when
-  ranks disagree).
+  `_generate_and_score_completions` returns) between the per-process view and the global view, for estimators that
+  need the whole batch (token-level whitening, KL in the reward).
 
 A rollout dict holds per-row tensors whose first dimension is the local batch size B. Prompt-aligned tensors are
 left-padded, completion-aligned tensors right-padded; both are re-padded when batches are joined and re-trimmed when
@@ -122,6 +124,11 @@ def _row_keys(output: dict, num_rows: int) -> list[str]:
     return keys
 
 
+def row_entries(output: dict, num_rows: int) -> dict:
+    """The per-row tensors of a rollout dict (B = `num_rows` rows); refuses entries whose alignment is unknown."""
+    return {key: output[key] for key in _row_keys(output, num_rows)}
+
+
 def _pad_value(key: str, pad_token_id: int):
     return pad_token_id if key in ("prompt_ids", "completion_ids") else (1 if key == "tool_mask" else 0)
 
@@ -143,23 +150,24 @@ def gather_rollout(accelerator, output: dict, num_rows: int, pad_token_id: int) 
     keys = _row_keys(output, num_rows)
     if accelerator.num_processes == 1:
         return {key: output[key] for key in keys}
-    wide = [k for k in keys if output[k].dim() >= 2]
-    device = output[keys[0]].device if keys else None
-    widths = {}
-    if wide:  # one collective for all the widths
-        local = torch.tensor([output[k].shape[1] for k in wide], device=device, dtype=torch.long)
-        widths = dict(zip(wide, accelerator.gather(local).view(-1, len(wide)).max(dim=0).values.tolist()))
-    result = {}
-    for key in keys:
-        t = output[key]
-        if key in widths:
-            t = _pad_to(t, int(widths[key]), left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id))
-        result[key] = accelerator.gather(t.contiguous())
-    return result
+    padded = _pad_to_widest(accelerator, {key: output[key] for key in keys}, pad_token_id)
+    return {key: accelerator.gather(t.contiguous()) for key, t in padded.items()}
+
+
+def _pad_to_widest(accelerator, rows: dict, pad_token_id: int) -> dict:
+    """Pad every 2-D+ row tensor to the widest of its key across processes (one collective for all the widths):
+    collectives on unequal shapes hang or return garbage on gloo."""
+    wide = [k for k in rows if rows[k].dim() >= 2]
+    if not wide:
+        return dict(rows)
+    local = torch.tensor([rows[k].shape[1] for k in wide], device=rows[wide[0]].device, dtype=torch.long)
+    widths = dict(zip(wide, accelerator.gather(local).view(-1, len(wide)).max(dim=0).values.tolist()))
+    return {key: _pad_to(t, int(widths[key]), left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id))
+            if key in widths else t for key, t in rows.items()}
 
 
 def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
-    """Join global rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right.
+    """Join rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right.
 
     Keys missing from some of the rollouts are dropped (they cannot be filled in)."""
     if len(rollouts) == 1:
@@ -181,6 +189,32 @@ def _round_up(n: int, multiple: int | None, limit: int) -> int:
     return min(n, limit)
 
 
+def _trim_and_count(accelerator, out: dict, local_loss_tokens: torch.Tensor | None, pad_to_multiple_of: int | None,
+                    global_loss_tokens: torch.Tensor | None = None) -> dict:
+    """Trim the padding columns no local row uses (widths kept a multiple of `pad_to_multiple_of`, as TRL pads) and
+    set `num_items_in_batch`, the global number of loss tokens TRL's "dapo" loss divides by."""
+    if out["completion_mask"].shape[0] > 0:
+        c_mask, p_mask = out["completion_mask"], out["prompt_mask"]
+        cols = c_mask.sum(dim=0).nonzero()
+        t_used = _round_up(int(cols.max().item()) + 1 if cols.numel() else 1, pad_to_multiple_of, c_mask.shape[1])
+        cols = p_mask.sum(dim=0).nonzero()
+        p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
+                           p_mask.shape[1])
+        for key, value in out.items():
+            if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
+                out[key] = value[:, :t_used]
+            elif value.dim() >= 2 and key in PROMPT_KEYS:
+                out[key] = value[:, value.shape[1] - p_used :]
+    if global_loss_tokens is None:
+        global_loss_tokens = accelerator.reduce(local_loss_tokens, reduction="sum")
+    out["num_items_in_batch"] = global_loss_tokens
+    return out
+
+
+def _loss_mask(rows: dict) -> torch.Tensor:
+    return rows["completion_mask"] * rows["tool_mask"] if "tool_mask" in rows else rows["completion_mask"]
+
+
 def localize_rollout(
     accelerator, global_output: dict, keep: torch.Tensor, pad_to_multiple_of: int | None = None
 ) -> dict:
@@ -198,19 +232,64 @@ def localize_rollout(
     num_rows = global_output["completion_mask"].shape[0]
     kept = {key: value[keep] for key, value in global_output.items()  # non-row entries (a stale count) are dropped
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_rows}
-    loss_mask = kept["completion_mask"] * kept["tool_mask"] if "tool_mask" in kept else kept["completion_mask"]
     out = {key: value[rank * share : (rank + 1) * share] for key, value in kept.items()}
-    if share > 0:  # trim the columns that are padding for every local row
-        c_mask, p_mask = out["completion_mask"], out["prompt_mask"]
-        cols = c_mask.sum(dim=0).nonzero()
-        t_used = _round_up(int(cols.max().item()) + 1 if cols.numel() else 1, pad_to_multiple_of, c_mask.shape[1])
-        cols = p_mask.sum(dim=0).nonzero()
-        p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
-                           p_mask.shape[1])
-        for key, value in out.items():
-            if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
-                out[key] = value[:, :t_used]
-            elif value.dim() >= 2 and key in PROMPT_KEYS:
-                out[key] = value[:, value.shape[1] - p_used :]
-    out["num_items_in_batch"] = loss_mask.sum()
-    return out
+    return _trim_and_count(accelerator, out, None, pad_to_multiple_of, global_loss_tokens=_loss_mask(kept).sum())
+
+
+def _exchange(accelerator, dst: torch.Tensor, src: torch.Tensor, dst_splits: list[int], src_splits: list[int]) -> None:
+    """All-to-all of rows: process r sends `src_splits[q]` consecutive rows of `src` to process q and receives
+    `dst_splits[q]` rows from process q into `dst`, in process order."""
+    import torch.distributed as dist
+
+    dist.all_to_all_single(dst, src, output_split_sizes=dst_splits, input_split_sizes=src_splits)
+
+
+def redistribute_rows(
+    accelerator, local: dict, sources: torch.Tensor, pad_token_id: int, pad_to_multiple_of: int | None = None
+) -> dict:
+    """Hand each process its contiguous share of a batch whose rows are spread over the processes, moving only rows.
+
+    The batch has K rows in a global order; row p lives on process `sources[p]`. `sources` (K,) is the same on every
+    rank; `local` holds this process's rows of the batch, in that order (per-row tensors of its own widths). Process
+    r ends with rows [r * K / W, (r + 1) * K / W), trimmed and counted as `localize_rollout` does. Unlike
+    `gather_rollout` + `localize_rollout`, no process ever holds the global batch: one all-to-all per key moves each
+    row straight to its destination (widths are first padded to the widest across processes, one small gather).
+
+    Args:
+        local: row tensors with L rows, L = (sources == rank).sum(); the same keys on every rank.
+        sources: (K,) long, K a multiple of the number of processes W.
+    Returns:
+        dict of (K / W, ...) row tensors, plus `num_items_in_batch` (loss tokens of all K rows).
+    """
+    world, rank = accelerator.num_processes, accelerator.process_index
+    total = sources.numel()
+    if total % world != 0:
+        raise ValueError(f"cannot split {total} kept rows evenly over {world} processes")
+    share = total // world
+    num_local = int((sources == rank).sum())
+    keys = _row_keys(local, num_local)
+    if any(local[k].shape[0] != num_local for k in keys) or "completion_mask" not in keys:
+        raise ValueError(f"process {rank} holds {num_local} rows of the batch but its rollout does not")
+    local_tokens = _loss_mask(local).sum()
+    if world == 1:
+        return _trim_and_count(accelerator, {k: local[k] for k in keys}, local_tokens, pad_to_multiple_of,
+                               global_loss_tokens=local_tokens)
+
+    sources = sources.to("cpu")
+    dest = torch.arange(total) // share
+    mine = dest == rank
+    # local rows are in global order and `dest` grows with it: they are already grouped by destination
+    send = torch.bincount(dest[sources == rank], minlength=world).tolist()
+    recv = torch.bincount(sources[mine], minlength=world).tolist()
+    # rows arrive grouped by source process; `order` puts them back in global order
+    slots = torch.arange(total)[mine]
+    order = torch.argsort(sources[mine] * total + slots)
+
+    out = {}
+    for key, t in _pad_to_widest(accelerator, {k: local[k] for k in keys}, pad_token_id).items():
+        received = t.new_empty((share, *t.shape[1:]))
+        _exchange(accelerator, received, t.contiguous(), recv, send)
+        placed = torch.empty_like(received)
+        placed[order.to(received.device)] = received
+        out[key] = placed
+    return _trim_and_count(accelerator, out, local_tokens, pad_to_multiple_of)

@@ -145,7 +145,7 @@ class VariantTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------------- hooks
     def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
         """Advantages for the global batch: (N,) or (N, T). `rewards` is (N,) (NaN: unscorable), `batch` the global
-        rollout (only built when `needs_global_batch` is True)."""
+        rollout (only built when `needs_global_batch` is True, else None)."""
         raise NotImplementedError
 
     #: set by estimators that need per-token tensors of the whole batch (masks, log-probs) to compute advantages
@@ -317,12 +317,13 @@ class VariantTrainer(GRPOTrainer):
         if kl is not None:
             output["kl_in_reward"] = kl
         global_batch = None
-        if keep is not None or self.needs_global_batch or kl is not None:
+        if self.needs_global_batch or kl is not None:
             global_batch = selection.gather_rollout(self.accelerator, output, num_local, self._tokenizer.pad_token_id)
             output.pop("kl_in_reward", None)
         if keep is not None:
             rewards_per_func = rewards_per_func[keep]
-            global_batch = {k: v[keep] for k, v in global_batch.items()}
+            if global_batch is not None:
+                global_batch = {k: v[keep] for k, v in global_batch.items()}
             group_size = self.kept_group_size(group_size)
 
         rewards = self.total_rewards(rewards_per_func)
@@ -330,18 +331,18 @@ class VariantTrainer(GRPOTrainer):
         if not torch.isfinite(advantages).all():  # the estimators promise this; a broken subclass must not train
             raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
 
-        if keep is not None:
-            global_batch["advantages"] = advantages
-            global_batch.pop("kl_in_reward", None)
-            output = selection.localize_rollout(
-                self.accelerator, global_batch, torch.arange(advantages.shape[0], device=advantages.device)
-            )
-        else:
-            rank = self.accelerator.process_index
-            local = advantages[rank * num_local : (rank + 1) * num_local]
-            if local.dim() == 2:
-                local = local[:, : output["completion_mask"].shape[1]]
-            output["advantages"] = local
+        rank = self.accelerator.process_index
+        if keep is not None:  # only the kept rows move, each straight to the process that trains it
+            sources = torch.div(keep, num_local, rounding_mode="floor")
+            mine = keep[sources == rank] - rank * num_local
+            rows = selection.row_entries(output, num_local)
+            rows = {k: v[mine.to(v.device)] for k, v in rows.items() if k not in ("advantages", "kl_in_reward")}
+            output = selection.redistribute_rows(self.accelerator, rows, sources, self._tokenizer.pad_token_id)
+            num_local = advantages.shape[0] // self.accelerator.num_processes
+        local = advantages[rank * num_local : (rank + 1) * num_local]
+        if local.dim() == 2:
+            local = local[:, : output["completion_mask"].shape[1]]
+        output["advantages"] = local
         loss_mask = None
         if global_batch is not None and "completion_mask" in global_batch:
             loss_mask = global_batch["completion_mask"]

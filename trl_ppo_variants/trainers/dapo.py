@@ -182,16 +182,24 @@ class RefillSampler:
 class GroupAccumulator:
     """Assembles one dynamic-sampling batch from successive generation rounds (pure: no process group).
 
-    Each round is a global rollout (rows in TRL's layout: the `G` completions of a prompt consecutive) with its
-    gathered rewards and filter values. The groups with a spread are kept in order until `target_groups` are held; the
-    surplus of the last round is trimmed. A few dropped groups are remembered as placeholders for the exhaustion path
+    Each round is scored globally (rows in TRL's layout: the `G` completions of a prompt consecutive, the N rows of a
+    round split into equal contiguous shares in process order) and the groups with a spread are kept in order until
+    `target_groups` are held; the surplus of the last round is trimmed. Every rank takes the same decisions from the
+    same gathered rewards, but holds only *its own* rows of the kept groups (`rank` of `world`), so no process ever
+    stores the global rollout. A few dropped groups are remembered as placeholders for the exhaustion path
     (`selection.exhausted_group_count`). Nothing is ever duplicated.
     """
 
-    def __init__(self, target_groups: int, group_size: int, multiple: int = 1, eps: float = 1e-6):
+    def __init__(self, target_groups: int, group_size: int, multiple: int = 1, eps: float = 1e-6, rank: int = 0,
+                 world: int = 1):
         self.target, self.G, self.multiple, self.eps = target_groups, group_size, multiple, eps
-        self.parts, self.rewards, self.positions = [], [], []  # kept groups, in order
-        self.spare_parts, self.spare_rewards, self.spare_positions = [], [], []
+        self.rank, self.world = rank, world
+        # per kind ("kept", "spare"): this rank's row tensors, and for every row of the kind (all ranks) its gathered
+        # rewards, its position among the rows generated this step and the process holding it
+        self._parts = {"kept": [], "spare": []}
+        self._rewards = {"kept": [], "spare": []}
+        self._positions = {"kept": [], "spare": []}
+        self._sources = {"kept": [], "spare": []}
         self.num_kept = self.num_spare = 0
         self.rounds = self.groups_generated = self.dropped_correct = self.dropped_wrong = 0
         self.rows_seen = 0
@@ -200,9 +208,22 @@ class GroupAccumulator:
     def full(self) -> bool:
         return self.num_kept >= self.target
 
+    def _hold(self, kind: str, groups: torch.Tensor, rollout: dict, rewards_per_func: torch.Tensor) -> None:
+        rows = selection.group_rows(groups, self.G).to(rewards_per_func.device)
+        per_rank = rewards_per_func.shape[0] // self.world
+        sources = torch.div(rows, per_rank, rounding_mode="floor")
+        local = rows[sources == self.rank] - self.rank * per_rank
+        self._parts[kind].append({k: v[local.to(v.device)] for k, v in rollout.items()})
+        self._rewards[kind].append(rewards_per_func[rows])
+        self._positions[kind].append(rows + self.rows_seen)
+        self._sources[kind].append(sources)
+
     def add_round(self, rollout: dict, rewards_per_func: torch.Tensor, filter_values: torch.Tensor) -> None:
-        """rollout: global dict of (N, ...) tensors; rewards_per_func: (N, F); filter_values: (N,)."""
+        """rollout: this process's rows, (N / world, ...) tensors; rewards_per_func: (N, F) and filter_values: (N,),
+        gathered over the processes."""
         G, n = self.G, filter_values.shape[0]
+        if n % self.world or any(v.shape[0] != n // self.world for v in rollout.values()):
+            raise ValueError(f"a round of {n} rows must be split evenly over {self.world} processes")
         spread = selection.group_spread_mask(filter_values, G, self.eps)
         self.rounds += 1
         self.groups_generated += spread.numel()
@@ -214,44 +235,39 @@ class GroupAccumulator:
 
         take = spread.nonzero().squeeze(1)[: max(self.target - self.num_kept, 0)]
         if take.numel():
-            rows = selection.group_rows(take, G).to(filter_values.device)
-            self.parts.append({k: v[rows] for k, v in rollout.items()})
-            self.rewards.append(rewards_per_func[rows])
-            self.positions.append(rows + self.rows_seen)
+            self._hold("kept", take, rollout, rewards_per_func)
             self.num_kept += take.numel()
         if self.num_spare < self.multiple:
             spare = dropped.nonzero().squeeze(1)[: self.multiple - self.num_spare]
             if spare.numel():
-                rows = selection.group_rows(spare, G).to(filter_values.device)
-                self.spare_parts.append({k: v[rows] for k, v in rollout.items()})
-                self.spare_rewards.append(rewards_per_func[rows])
-                self.spare_positions.append(rows + self.rows_seen)
+                self._hold("spare", spare, rollout, rewards_per_func)
                 self.num_spare += spare.numel()
         self.rows_seen += n
 
     def finalize(self, pad_token_id: int):
-        """-> (batch, rewards_per_func, positions, num_real_rows, exhausted).
+        """-> (local_batch, sources, rewards_per_func, positions, num_real_rows, exhausted).
 
-        `batch` holds `num_real_rows` rows of kept groups followed by placeholder rows (exhaustion with too few
-        groups), `positions` the index of every row among all the rows generated this step."""
+        The batch holds `num_real_rows` rows of kept groups followed by placeholder rows (exhaustion with too few
+        groups). `sources`, `rewards_per_func` and `positions` (the index of every row among all the rows generated
+        this step) describe all its rows, on every rank; `local_batch` holds this rank's rows of it, in order, ready
+        for `selection.redistribute_rows`."""
         exhausted = not self.full
         num_real, num_pad = (self.target, 0) if not exhausted else selection.exhausted_group_count(
             self.num_kept, self.multiple)
-        parts, rewards, positions = list(self.parts), list(self.rewards), list(self.positions)
-        if num_pad:
-            parts += self.spare_parts
-            rewards += self.spare_rewards
-            positions += self.spare_positions
-        batch = selection.concat_rollouts(parts, pad_token_id)
-        rewards = torch.cat(rewards)
-        positions = torch.cat(positions)
-        real_rows = num_real * self.G
-        pad_rows = num_pad * self.G
+        kinds = ["kept", "spare"] if num_pad else ["kept"]
+        parts = [p for kind in kinds for p in self._parts[kind]]
+        rewards = torch.cat([r for kind in kinds for r in self._rewards[kind]])
+        positions = torch.cat([p for kind in kinds for p in self._positions[kind]])
+        sources = torch.cat([s for kind in kinds for s in self._sources[kind]])
+        local = selection.concat_rollouts(parts, pad_token_id)
         # kept groups past num_real (rounding down on exhaustion) are dropped; spare groups past num_pad too
-        kept_rows = self.num_kept * self.G
+        real_rows, pad_rows, kept_rows = num_real * self.G, num_pad * self.G, self.num_kept * self.G
         index = torch.cat([torch.arange(real_rows), kept_rows + torch.arange(pad_rows)]).to(positions.device)
-        batch = {k: v[index] for k, v in batch.items()}
-        return batch, rewards[index], positions[index], real_rows, exhausted
+        # this rank's rows are numbered in order of appearance among all rows: keep those `index` selects
+        local_number = torch.cumsum(sources == self.rank, dim=0) - 1
+        chosen = index[sources[index] == self.rank]
+        local = {k: v[local_number[chosen].to(v.device)] for k, v in local.items()}
+        return local, sources[index], rewards[index], positions[index], real_rows, exhausted
 
 
 # ----------------------------------------------------------------------------------------------- trainer
@@ -292,8 +308,10 @@ class DAPOTrainer(VariantTrainer):
     from the same policy). Only HF `generate` is tested here (CPU); vLLM colocate/server and DeepSpeed/FSDP are
     untested. Not supported: multimodal rollouts and `IterableDataset` train sets with dynamic sampling (clear error).
 
-    **Memory**: each round's rollout is gathered on every process (the selection is global), and only its kept groups
-    are held across rounds, so the peak is one round's global rollout plus one generation batch.
+    **Memory**: only rewards are gathered (by TRL); each process keeps its own rows of the kept groups across rounds,
+    and `selection.redistribute_rows` then moves rows straight to the process that trains them (one all-to-all per
+    key). No process holds the global rollout: the peak is about one local generation batch plus the local kept rows,
+    as in TRL's GRPO (with 512 x 16 rows of 20k tokens on 64 GPUs, a global copy would be about 4 GB per GPU).
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "dapo"]
@@ -335,6 +353,9 @@ class DAPOTrainer(VariantTrainer):
         self._refill_dataset = None
         self._warned_exhausted = False
         if args.dynamic_sampling:
+            # dynamic sampling never builds the global rollout (memory), so a per-token estimator cannot run on it
+            check(not self.needs_global_batch, "dynamic_sampling",
+                  f"False for {type(self).__name__}, whose advantages need the global batch", True)
             world = self.accelerator.num_processes
             G = self.num_generations
             refill = args.refill_num_prompts or args.generation_batch_size // G
@@ -393,7 +414,7 @@ class DAPOTrainer(VariantTrainer):
         pad_id = self._tokenizer.pad_token_id
         target = self.args.generation_batch_size // G
         multiple = selection.group_multiple(G, world, self.args.steps_per_generation)
-        acc = GroupAccumulator(target, G, multiple, self.args.filter_std_eps)
+        acc = GroupAccumulator(target, G, multiple, self.args.filter_std_eps, self.accelerator.process_index, world)
         metrics = self._metrics["train"]
         generated_tokens = 0.0
         max_rounds = self.args.max_generation_rounds
@@ -402,14 +423,14 @@ class DAPOTrainer(VariantTrainer):
         while True:
             output = GRPOTrainer._generate_and_score_completions(self, round_inputs)
             rewards_per_func = self._captured_rewards_per_func
-            rollout = selection.gather_rollout(self.accelerator, output, output["prompt_ids"].shape[0], pad_id)
+            rows = selection.row_entries(output, output["prompt_ids"].shape[0])
             lengths = metrics.get("completions/mean_length")
             if lengths:  # TRL's count of generated tokens (also those of truncated completions it may mask)
                 generated_tokens += lengths[-1] * rewards_per_func.shape[0]
             else:
-                generated_tokens += float(rollout["completion_mask"].sum())
-            acc.add_round(rollout, rewards_per_func, self.filter_values(rewards_per_func))
-            del output, rollout
+                generated_tokens += float(self.accelerator.reduce(rows["completion_mask"].sum(), reduction="sum"))
+            acc.add_round(rows, rewards_per_func, self.filter_values(rewards_per_func))
+            del output, rows
             # every rank holds the same gathered rewards, hence takes the same decision here
             if acc.full or (max_rounds and acc.rounds >= max_rounds):
                 break
@@ -418,22 +439,24 @@ class DAPOTrainer(VariantTrainer):
             indices = self._refill_sampler.draw(self._refill_num_prompts, key=self._prompt_key, seen=seen)
             round_inputs = self._refill_rows(indices)
 
-        batch, rewards_per_func, positions, real_rows, exhausted = acc.finalize(pad_id)
+        local, sources, rewards_per_func, positions, real_rows, exhausted = acc.finalize(pad_id)
         rewards = self.total_rewards(rewards_per_func)
         advantages = torch.zeros_like(rewards)
         if real_rows:  # placeholder groups of the exhaustion path stay at 0 and never enter the statistics
-            advantages[:real_rows] = self.compute_advantages(rewards[:real_rows], batch, G)
+            advantages[:real_rows] = self.compute_advantages(rewards[:real_rows], None, G)
         if not torch.isfinite(advantages).all():
             raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
-        batch["advantages"] = advantages
-        output = selection.localize_rollout(
-            self.accelerator, batch, torch.arange(advantages.shape[0], device=advantages.device),
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
+        # trained (real-row) loss tokens, for the generated/trained ratio; placeholder rows have no signal
+        rank = self.accelerator.process_index
+        is_real = (torch.arange(sources.numel(), device=sources.device) < real_rows)[sources == rank]
+        loss_mask = local["completion_mask"] * local["tool_mask"] if "tool_mask" in local else local["completion_mask"]
+        trained_tokens = float(self.accelerator.reduce(loss_mask[is_real.to(loss_mask.device)].sum(), reduction="sum"))
+        output = selection.redistribute_rows(self.accelerator, local, sources, pad_id,
+                                             pad_to_multiple_of=self.pad_to_multiple_of)
+        share = advantages.shape[0] // world
+        output["advantages"] = advantages[rank * share : (rank + 1) * share]
         self._log_advantages(advantages, acc.rows_seen, positions)
 
-        loss_mask = batch["completion_mask"] * batch["tool_mask"] if "tool_mask" in batch else batch["completion_mask"]
-        trained_tokens = float(loss_mask[:real_rows].sum())
         metrics["dapo/rounds"].append(float(acc.rounds))
         metrics["dapo/groups_generated"].append(float(acc.groups_generated))
         metrics["dapo/groups_kept"].append(float(real_rows // G))
