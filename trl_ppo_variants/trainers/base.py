@@ -144,12 +144,15 @@ class VariantTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------- hooks
     def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
-        """Advantages for the global batch: (N,) or (N, T). `rewards` is (N,) (NaN: unscorable), `batch` the global
-        rollout (only built when `needs_global_batch` is True, else None)."""
+        """Advantages for the global batch: (N,) or (N, T). `rewards` is (N,) (NaN: unscorable), `batch` the
+        `global_batch_keys` entries of the global rollout (only built when `needs_global_batch` is True or a KL is in
+        the reward, else None)."""
         raise NotImplementedError
 
-    #: set by estimators that need per-token tensors of the whole batch (masks, log-probs) to compute advantages
+    #: set by estimators that need per-token tensors of the whole batch (masks, KL, values) to compute advantages
     needs_global_batch = False
+    #: the rollout entries gathered into that batch (when present); ids and log-probs never are (memory)
+    global_batch_keys = ("completion_mask", "tool_mask", "kl_in_reward", "old_values")
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card would name GRPO and its paper; ours names this algorithm (see `model_card.py`)."""
@@ -318,7 +321,8 @@ class VariantTrainer(GRPOTrainer):
             output["kl_in_reward"] = kl
         global_batch = None
         if self.needs_global_batch or kl is not None:
-            global_batch = selection.gather_rollout(self.accelerator, output, num_local, self._tokenizer.pad_token_id)
+            needed = {key: output[key] for key in self.global_batch_keys if key in output}
+            global_batch = selection.gather_rollout(self.accelerator, needed, num_local, self._tokenizer.pad_token_id)
             output.pop("kl_in_reward", None)
         if keep is not None:
             rewards_per_func = rewards_per_func[keep]
