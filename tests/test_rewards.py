@@ -195,10 +195,12 @@ ADVERSARIAL = {
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", list(ADVERSARIAL))
 def test_adversarial_strings_in_bounded_time(name):
-    """Each adversarial completion is extracted, normalised, compared and voted on in < 1 s, and nothing is evaluated
-    (a `9^{9^{...}}` tower or `100000000!` would not finish if it were). With `math-verify` installed,
-    `math_accuracy` may also spend up to its hard worker timeout (2 s) on a symbolic comparison, killed there."""
-    bound = 1.0 + (2.0 if R.math_verify_available() else 0.0)
+    """Each adversarial completion is extracted, normalised, compared and voted on in bounded time, and nothing is
+    evaluated (a `9^{9^{...}}` tower or `100000000!` would not finish if it were). Measured: < 0.03 s each without
+    math-verify; with it, `math_accuracy` spends up to its hard worker timeout (2 s) on a symbolic comparison, killed
+    there (2.0-2.5 s on a loaded 2-core machine). The bound leaves room for a loaded CI machine: what it must catch
+    runs for hours."""
+    bound = 5.0 + (2.0 if R.math_verify_available() else 0.0)
     text = ADVERSARIAL[name]
     start = time.perf_counter()
     answer = R.extract_math_answer(text)
