@@ -1,5 +1,5 @@
 """The shared row-selection mechanism (`trl_ppo_variants/selection.py`): pure filters on hand-made rewards, and the
-gather / concat / localize moves, with two simulated processes (threads with a real all-gather rendezvous)."""
+gather / concat / redistribute moves, with simulated processes (threads with a real all-gather rendezvous)."""
 
 import threading
 
@@ -189,13 +189,30 @@ def test_concat_rollouts_repads_and_drops_partial_keys():
     assert joined["advantages"].tolist() == [1.0, 50.0, 51.0]
 
 
-def test_localize_rollout_splits_trims_and_counts_tokens():
+def _localize(acc, g, keep, pad_to_multiple_of=None):
+    """The reference for `redistribute_rows`, through the global batch it avoids: keep the rows `keep` of the global
+    batch `g` and hand each simulated process its contiguous share, trimmed; the loss tokens of all kept rows."""
+    share = keep.numel() // acc.num_processes
+    n = g["completion_mask"].shape[0]
+    kept = {k: v[keep] for k, v in g.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == n}
+    rank = acc.process_index
+    out = selection.trim_padding({k: v[rank * share : (rank + 1) * share] for k, v in kept.items()},
+                                 pad_to_multiple_of)
+    out["num_items_in_batch"] = selection.loss_mask(kept).sum()
+    return out
+
+
+def test_redistribute_rows_splits_trims_and_counts_tokens(threaded_exchange):
     g = _rollout([1, 4, 2, 1], [1, 2, 5, 1], 1)
     g.pop("num_items_in_batch")
-    keep = torch.tensor([3, 0, 2, 1])
-    results = _run_ranks(2, lambda acc: selection.localize_rollout(acc, g, keep))
-    r0, r1 = results
-    # each rank gets its contiguous share of `keep`, in order
+    keep, sources = torch.tensor([3, 0, 2, 1]), torch.tensor([0, 1, 1, 0])  # batch row p lives on sources[p]
+
+    def step(acc, pad=None):
+        local = {k: v[keep[sources == acc.process_index]] for k, v in g.items()}
+        return selection.redistribute_rows(acc, local, sources, PAD, pad_to_multiple_of=pad)
+
+    r0, r1 = _run_ranks(2, step)
+    # each rank gets its contiguous share of the batch, in order
     assert r0["advantages"].tolist() == [4.0, 1.0] and r1["advantages"].tolist() == [3.0, 2.0]
     # rank 0 holds rows 3 and 0 (prompts of 1, completions of 1): trimmed to width 1 / 1
     assert r0["prompt_ids"].shape == (2, 1) and r0["completion_ids"].shape == (2, 1)
@@ -204,29 +221,27 @@ def test_localize_rollout_splits_trims_and_counts_tokens():
     # the loss normaliser is global: 1 + 2 + 5 + 1 tokens, the same on both ranks
     assert r0["num_items_in_batch"].item() == 9 and r1["num_items_in_batch"].item() == 9
     # widths stay a multiple of pad_to_multiple_of when asked (as TRL pads)
-    r0, _ = _run_ranks(2, lambda acc: selection.localize_rollout(acc, g, keep, pad_to_multiple_of=4))
+    r0, _ = _run_ranks(2, lambda acc: step(acc, pad=4))
     assert r0["prompt_ids"].shape == (2, 4) and r0["completion_ids"].shape == (2, 4)
 
 
-def test_localize_rollout_counts_only_kept_rows_and_tool_mask():
-    g = _rollout([1, 1, 1, 1], [3, 3, 3, 3], 1)
-    g["tool_mask"] = torch.tensor([[1, 0, 1]] * 4)
-    out = _run_ranks(1, lambda acc: selection.localize_rollout(acc, g, torch.tensor([0, 2])))[0]
+def test_redistribute_rows_counts_only_loss_tokens(threaded_exchange):
+    g = _rollout([1, 1], [3, 3], 1)
+    g.pop("num_items_in_batch")
+    g["tool_mask"] = torch.tensor([[1, 0, 1]] * 2)
+    out = _run_ranks(1, lambda acc: selection.redistribute_rows(acc, g, torch.zeros(2, dtype=torch.long), PAD))[0]
     assert out["num_items_in_batch"].item() == 4  # 2 rows x 2 model tokens
 
 
-def test_localize_rollout_refuses_uneven_split():
-    g = _rollout([1, 1, 1], [1, 1, 1], 1)
-    with pytest.raises(ValueError, match="evenly over 2 processes"):
-        selection.localize_rollout(_Acc(None, 0, 2), g, torch.tensor([0, 1, 2]))
-
-
-def test_gather_then_localize_round_trip():
+def test_gather_rollout_round_trip_through_redistribute(threaded_exchange):
     local = [_rollout([2, 3, 1], [1, 3, 2], 1), _rollout([4, 1, 2], [5, 2, 1], 100)]
+    sources = torch.tensor([0, 0, 0, 1, 1, 1])
 
     def step(acc):
         g = selection.gather_rollout(acc, local[acc.process_index], 3, PAD)
-        return selection.localize_rollout(acc, g, torch.arange(6))
+        assert g["completion_ids"].shape == (6, 5)  # padded to the widest process
+        rows = {k: v for k, v in local[acc.process_index].items() if k != "num_items_in_batch"}
+        return selection.redistribute_rows(acc, rows, sources, PAD)
 
     for rank, out in enumerate(_run_ranks(2, step)):
         src = local[rank]
@@ -276,7 +291,7 @@ def test_redistribute_rows_equals_gather_then_localize(threaded_exchange, world,
     tools = torch.randint(0, 2, g["completion_ids"].shape)
     g["tool_mask"] = torch.where(g["completion_mask"].bool(), tools, torch.ones_like(tools))  # 1 on padding, as TRL
     src = torch.tensor(sources)
-    expected = _run_ranks(world, lambda acc: selection.localize_rollout(acc, g, torch.arange(K)))
+    expected = _run_ranks(world, lambda acc: _localize(acc, g, torch.arange(K)))
 
     def step(acc):
         local = _own_widths({k: v[src == acc.process_index] for k, v in g.items()})
@@ -292,7 +307,7 @@ def test_redistribute_rows_one_process_and_uneven_split(threaded_exchange):
     g = _rollout([2, 1, 3, 1], [1, 4, 2, 1], 1)
     g.pop("num_items_in_batch")
     got = _run_ranks(1, lambda acc: selection.redistribute_rows(acc, dict(g), torch.zeros(4, dtype=torch.long), PAD))
-    want = _run_ranks(1, lambda acc: selection.localize_rollout(acc, g, torch.arange(4)))
+    want = _run_ranks(1, lambda acc: _localize(acc, g, torch.arange(4)))
     assert sorted(got[0]) == sorted(want[0]) and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
     with pytest.raises(ValueError, match="evenly over 2 processes"):
         selection.redistribute_rows(_Acc(None, 0, 2), g, torch.tensor([0, 0, 1]), PAD)

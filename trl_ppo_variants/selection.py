@@ -6,9 +6,9 @@ Two layers:
 - `redistribute_rows`, which hands every process its equal share of the selected rows, moving only rows between
   processes (one all-to-all per key): the decision is taken once on gathered rewards, identically on every rank, and
   every process ends with the same number of rows (TRL's collectives hang when ranks disagree);
-- `gather_rollout` / `concat_rollouts` / `localize_rollout`, which move a rollout batch (the dict TRL's
-  `_generate_and_score_completions` returns) between the per-process view and the global view, for estimators that
-  need the whole batch (token-level whitening, KL in the reward).
+- `gather_rollout` / `concat_rollouts`, which build the global view of (some entries of) a rollout batch (the dict
+  TRL's `_generate_and_score_completions` returns) for estimators that need the whole batch (token-level whitening,
+  KL in the reward), and join rollouts of several rounds.
 
 A rollout dict holds per-row tensors whose first dimension is the local batch size B. Prompt-aligned tensors are
 left-padded, completion-aligned tensors right-padded; both are re-padded when batches are joined and re-trimmed when
@@ -145,7 +145,7 @@ def gather_rollout(accelerator, output: dict, num_rows: int, pad_token_id: int) 
 
     Every rank must call it with the same keys and the same `num_rows`. Widths are padded to the largest across
     processes before the gather (gathering unequal shapes hangs or returns garbage on gloo). Non-row entries are
-    dropped; `num_items_in_batch` is recomputed by `localize_rollout`.
+    dropped (`num_items_in_batch` is recomputed by `redistribute_rows`).
     """
     keys = _row_keys(output, num_rows)
     if accelerator.num_processes == 1:
@@ -189,51 +189,28 @@ def _round_up(n: int, multiple: int | None, limit: int) -> int:
     return min(n, limit)
 
 
-def _trim_and_count(accelerator, out: dict, local_loss_tokens: torch.Tensor | None, pad_to_multiple_of: int | None,
-                    global_loss_tokens: torch.Tensor | None = None) -> dict:
-    """Trim the padding columns no local row uses (widths kept a multiple of `pad_to_multiple_of`, as TRL pads) and
-    set `num_items_in_batch`, the global number of loss tokens TRL's "dapo" loss divides by."""
-    if out["completion_mask"].shape[0] > 0:
-        c_mask, p_mask = out["completion_mask"], out["prompt_mask"]
-        cols = c_mask.sum(dim=0).nonzero()
-        t_used = _round_up(int(cols.max().item()) + 1 if cols.numel() else 1, pad_to_multiple_of, c_mask.shape[1])
-        cols = p_mask.sum(dim=0).nonzero()
-        p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
-                           p_mask.shape[1])
-        for key, value in out.items():
-            if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
-                out[key] = value[:, :t_used]
-            elif value.dim() >= 2 and key in PROMPT_KEYS:
-                out[key] = value[:, value.shape[1] - p_used :]
-    if global_loss_tokens is None:
-        global_loss_tokens = accelerator.reduce(local_loss_tokens, reduction="sum")
-    out["num_items_in_batch"] = global_loss_tokens
+def trim_padding(out: dict, pad_to_multiple_of: int | None = None) -> dict:
+    """Trim the padding columns that no row of `out` uses: completion keys on the right, prompt keys on the left,
+    widths kept a multiple of `pad_to_multiple_of` when given (as TRL pads)."""
+    if out["completion_mask"].shape[0] == 0:
+        return out
+    c_mask, p_mask = out["completion_mask"], out["prompt_mask"]
+    cols = c_mask.sum(dim=0).nonzero()
+    t_used = _round_up(int(cols.max().item()) + 1 if cols.numel() else 1, pad_to_multiple_of, c_mask.shape[1])
+    cols = p_mask.sum(dim=0).nonzero()
+    p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
+                       p_mask.shape[1])
+    for key, value in out.items():
+        if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
+            out[key] = value[:, :t_used]
+        elif value.dim() >= 2 and key in PROMPT_KEYS:
+            out[key] = value[:, value.shape[1] - p_used :]
     return out
 
 
-def _loss_mask(rows: dict) -> torch.Tensor:
+def loss_mask(rows: dict) -> torch.Tensor:
+    """The tokens TRL's loss counts: (B, T) completion mask, times the tool mask when tools are used."""
     return rows["completion_mask"] * rows["tool_mask"] if "tool_mask" in rows else rows["completion_mask"]
-
-
-def localize_rollout(
-    accelerator, global_output: dict, keep: torch.Tensor, pad_to_multiple_of: int | None = None
-) -> dict:
-    """Keep the global rows `keep` (the same index tensor on every rank) and hand each process its contiguous share.
-
-    `len(keep)` must be a multiple of the number of processes so that every rank gets the same row count. Padding
-    columns that no local row uses are trimmed (keeping widths a multiple of `pad_to_multiple_of` when given, as TRL
-    pads), and `num_items_in_batch` (the global number of loss tokens, which TRL's "dapo" loss divides by) is
-    recomputed over the kept rows.
-    """
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if keep.numel() % world != 0:
-        raise ValueError(f"cannot split {keep.numel()} kept rows evenly over {world} processes")
-    share = keep.numel() // world
-    num_rows = global_output["completion_mask"].shape[0]
-    kept = {key: value[keep] for key, value in global_output.items()  # non-row entries (a stale count) are dropped
-            if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_rows}
-    out = {key: value[rank * share : (rank + 1) * share] for key, value in kept.items()}
-    return _trim_and_count(accelerator, out, None, pad_to_multiple_of, global_loss_tokens=_loss_mask(kept).sum())
 
 
 def _exchange(accelerator, dst: torch.Tensor, src: torch.Tensor, dst_splits: list[int], src_splits: list[int]) -> None:
@@ -251,8 +228,9 @@ def redistribute_rows(
 
     The batch has K rows in a global order; row p lives on process `sources[p]`. `sources` (K,) is the same on every
     rank; `local` holds this process's rows of the batch, in that order (per-row tensors of its own widths). Process
-    r ends with rows [r * K / W, (r + 1) * K / W), trimmed and counted as `localize_rollout` does. Unlike
-    `gather_rollout` + `localize_rollout`, no process ever holds the global batch: one all-to-all per key moves each
+    r ends with rows [r * K / W, (r + 1) * K / W), with the padding columns no local row uses trimmed (widths kept a
+    multiple of `pad_to_multiple_of` when given, as TRL pads) and `num_items_in_batch` set to the loss tokens of all K
+    rows (TRL's "dapo" loss divides by it). No process ever holds the global batch: one all-to-all per key moves each
     row straight to its destination (widths are first padded to the widest across processes, one small gather).
 
     Args:
@@ -270,10 +248,11 @@ def redistribute_rows(
     keys = _row_keys(local, num_local)
     if any(local[k].shape[0] != num_local for k in keys) or "completion_mask" not in keys:
         raise ValueError(f"process {rank} holds {num_local} rows of the batch but its rollout does not")
-    local_tokens = _loss_mask(local).sum()
+    local_tokens = loss_mask(local).sum()
     if world == 1:
-        return _trim_and_count(accelerator, {k: local[k] for k in keys}, local_tokens, pad_to_multiple_of,
-                               global_loss_tokens=local_tokens)
+        out = trim_padding({k: local[k] for k in keys}, pad_to_multiple_of)
+        out["num_items_in_batch"] = local_tokens
+        return out
 
     sources = sources.to("cpu")
     dest = torch.arange(total) // share
@@ -292,4 +271,6 @@ def redistribute_rows(
         placed = torch.empty_like(received)
         placed[order.to(received.device)] = received
         out[key] = placed
-    return _trim_and_count(accelerator, out, local_tokens, pad_to_multiple_of)
+    out = trim_padding(out, pad_to_multiple_of)
+    out["num_items_in_batch"] = accelerator.reduce(local_tokens, reduction="sum")
+    return out

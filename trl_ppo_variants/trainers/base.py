@@ -245,9 +245,7 @@ class VariantTrainer(GRPOTrainer):
         """KL(pi || ref) loss term with `kl_loss_estimator`, aggregated like the policy loss of `loss_type`."""
         from ..losses import aggregate_token_loss
 
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = selection.loss_mask(inputs)
         logps = self._captured_logps
         self._captured_logps = None
         per_token_kl = kl_estimate(logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
@@ -299,9 +297,7 @@ class VariantTrainer(GRPOTrainer):
                     else self.args.per_device_eval_batch_size,
                 )
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
-        mask = output["completion_mask"]
-        if "tool_mask" in output:
-            mask = mask * output["tool_mask"]
+        mask = selection.loss_mask(output)
         kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         mode = "train" if self.model.training else "eval"
         stats = self.accelerator.reduce(torch.stack([kl.sum(), mask.sum().float()]), reduction="sum")
@@ -347,12 +343,8 @@ class VariantTrainer(GRPOTrainer):
         if local.dim() == 2:
             local = local[:, : output["completion_mask"].shape[1]]
         output["advantages"] = local
-        loss_mask = None
-        if global_batch is not None and "completion_mask" in global_batch:
-            loss_mask = global_batch["completion_mask"]
-            if "tool_mask" in global_batch:
-                loss_mask = loss_mask * global_batch["tool_mask"]
-        self._log_advantages(advantages, num_logged, keep, loss_mask)
+        tokens = selection.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
+        self._log_advantages(advantages, num_logged, keep, tokens)
         return output
 
     def _log_advantages(

@@ -311,7 +311,7 @@ class DAPOTrainer(VariantTrainer):
     **Memory**: only rewards are gathered (by TRL); each process keeps its own rows of the kept groups across rounds,
     and `selection.redistribute_rows` then moves rows straight to the process that trains them (one all-to-all per
     key). No process holds the global rollout: the peak is about one local generation batch plus the local kept rows,
-    as in TRL's GRPO (with 512 x 16 rows of 20k tokens on 64 GPUs, a global copy would be about 4 GB per GPU).
+    as in TRL's GRPO (a global copy of 512 x 16 rows of 20k tokens would be about 3.4 GB on every GPU).
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "dapo"]
@@ -449,8 +449,8 @@ class DAPOTrainer(VariantTrainer):
         # trained (real-row) loss tokens, for the generated/trained ratio; placeholder rows have no signal
         rank = self.accelerator.process_index
         is_real = (torch.arange(sources.numel(), device=sources.device) < real_rows)[sources == rank]
-        loss_mask = local["completion_mask"] * local["tool_mask"] if "tool_mask" in local else local["completion_mask"]
-        trained_tokens = float(self.accelerator.reduce(loss_mask[is_real.to(loss_mask.device)].sum(), reduction="sum"))
+        tokens = selection.loss_mask(local)
+        trained_tokens = float(self.accelerator.reduce(tokens[is_real.to(tokens.device)].sum(), reduction="sum"))
         output = selection.redistribute_rows(self.accelerator, local, sources, pad_id,
                                              pad_to_multiple_of=self.pad_to_multiple_of)
         share = advantages.shape[0] // world

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import is_peft_model
 
+from .. import selection
 from ..advantages import gae, masked_mean, masked_whiten, token_rewards_from_outcome
 from ..critic import (
     VALUE_MODEL_DIR,
@@ -252,9 +253,7 @@ class PPOTrainer(VariantTrainer):
         return {}
 
     def compute_advantages(self, rewards, batch, group_size):
-        mask = batch["completion_mask"].to(torch.float32)
-        if "tool_mask" in batch:
-            mask = mask * batch["tool_mask"]
+        mask = selection.loss_mask(batch).to(torch.float32)
         scorable = ~torch.isnan(rewards)
         valid = mask * scorable.to(mask.dtype).unsqueeze(1)  # unscorable rows: no advantage, no value target
         token_rewards = token_rewards_from_outcome(rewards, valid, batch.get("kl_in_reward"), self.kl_in_reward_coef)
@@ -289,7 +288,7 @@ class PPOTrainer(VariantTrainer):
                 output[key] = value
                 continue
             # this process's contiguous share of the global rows, as the base hands out the advantages (and as
-            # `selection.localize_rollout` does when rows were selected), trimmed to the local completion width
+            # `selection.redistribute_rows` does when rows were selected), trimmed to the local completion width
             value = value[rank * rows : (rank + 1) * rows]
             output[key] = value[:, :width] if value.dim() == 2 else value
         return output
@@ -338,9 +337,7 @@ class PPOTrainer(VariantTrainer):
             self._capture_policy_logps = False
         logps, self._policy_logps = self._policy_logps, None
 
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = selection.loss_mask(inputs)
         aggregate = functools.partial(self._aggregate, inputs)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old

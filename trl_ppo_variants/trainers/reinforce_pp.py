@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import selection
 from ..advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from .base import VariantConfig, VariantTrainer, check
 
@@ -102,9 +103,7 @@ class ReinforcePPTrainer(VariantTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
     def compute_advantages(self, rewards, batch, group_size):
-        mask = batch["completion_mask"]
-        if "tool_mask" in batch:
-            mask = mask * batch["tool_mask"]
+        mask = selection.loss_mask(batch)
         if self.args.baseline:
             return reinforce_pp_baseline_advantages(rewards, mask, group_size)
         kl = batch.get("kl_in_reward")  # already k1 * mask; the function applies kl_in_reward_coef itself
