@@ -1,5 +1,6 @@
-"""`distributed.finish`: the exit status of a run is its own, atexit handlers run and buffered output is flushed, in
-one process, in the teardown-free exit path and in two processes (gloo, CPU). Script: tests/scripts/finish_two_process.py."""
+"""`distributed.finish`: the exit status of a run is its own, atexit handlers run and buffered output is flushed,
+in one process, in the teardown-free exit path and in two processes (gloo, CPU).
+Script: tests/scripts/finish_two_process.py."""
 
 import os
 import subprocess

@@ -311,3 +311,9 @@ def test_redistribute_rows_one_process_and_uneven_split(threaded_exchange):
     assert sorted(got[0]) == sorted(want[0]) and all(torch.equal(got[0][k], want[0][k]) for k in want[0])
     with pytest.raises(ValueError, match="evenly over 2 processes"):
         selection.redistribute_rows(_Acc(None, 0, 2), g, torch.tensor([0, 0, 1]), PAD)
+    with pytest.raises(ValueError, match="process 0 holds 3 rows of the batch but its rollout does not"):
+        selection.redistribute_rows(_Acc(None, 0, 2), g, torch.tensor([0, 0, 0, 1]), PAD)
+    empty = {k: v[:0] for k, v in g.items()}  # no row selected anywhere: every process gets an empty batch
+    none = torch.zeros(0, dtype=torch.long)
+    for out in _run_ranks(2, lambda acc: selection.redistribute_rows(acc, empty, none, PAD)):
+        assert out["completion_ids"].shape[0] == 0 and out["num_items_in_batch"].item() == 0

@@ -255,21 +255,21 @@ def redistribute_rows(
         return out
 
     sources = sources.to("cpu")
-    dest = torch.arange(total) // share
+    dest = torch.arange(total) // max(share, 1)
     mine = dest == rank
     # local rows are in global order and `dest` grows with it: they are already grouped by destination
     send = torch.bincount(dest[sources == rank], minlength=world).tolist()
     recv = torch.bincount(sources[mine], minlength=world).tolist()
     # rows arrive grouped by source process; `order` puts them back in global order
     slots = torch.arange(total)[mine]
-    order = torch.argsort(sources[mine] * total + slots)
+    order = torch.argsort(sources[mine] * total + slots).to(local["completion_mask"].device)
 
     out = {}
     for key, t in _pad_to_widest(accelerator, {k: local[k] for k in keys}, pad_token_id).items():
         received = t.new_empty((share, *t.shape[1:]))
         _exchange(accelerator, received, t.contiguous(), recv, send)
         placed = torch.empty_like(received)
-        placed[order.to(received.device)] = received
+        placed[order] = received
         out[key] = placed
     out = trim_padding(out, pad_to_multiple_of)
     out["num_items_in_batch"] = accelerator.reduce(local_tokens, reduction="sum")
