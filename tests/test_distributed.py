@@ -21,18 +21,21 @@ def _buffered_env(**extra):
     return {**env, **extra}
 
 
-@pytest.mark.parametrize("call,code", [
-    ("finish(3)", 3),  # one process: plain sys.exit
-    ("exit_without_teardown(5); raise SystemExit(9)", 5),  # the multi-process path, without the process group
+@pytest.mark.parametrize("call,world,code,teardown", [
+    ("finish(3)", "1", 3, True),  # one process: plain sys.exit, with the interpreter's teardown
+    ("exit_without_teardown(5)", "1", 5, False),  # the multi-process path, without the process group
+    # one of several processes whose group was already destroyed (as the command's was, once): still no teardown
+    ("finish(4)", "2", 4, False),
 ])
-def test_exit_status_atexit_and_flushed_output_in_one_process(tmp_path, call, code):
+def test_exit_status_atexit_and_flushed_output_in_one_process(tmp_path, call, world, code, teardown):
     marker = tmp_path / "atexit"
     script = (f"import atexit; atexit.register(lambda: open({str(marker)!r}, 'w').write('ran')); "
-              f"print('buffered', end=''); from trl_ppo_variants.distributed import *; {call}")
-    proc = subprocess.run([sys.executable, "-c", script], env=_buffered_env(), capture_output=True, text=True,
-                          timeout=120)
+              "print('buffered', end=''); from trl_ppo_variants.distributed import *\n"
+              f"try:\n    {call}\nfinally:\n    print(' teardown', end='')")
+    proc = subprocess.run([sys.executable, "-c", script], env=_buffered_env(WORLD_SIZE=world), capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == code, proc.stderr[-2000:]
-    assert proc.stdout == "buffered"
+    assert proc.stdout == ("buffered teardown" if teardown else "buffered")
     assert marker.read_text() == "ran"
 
 

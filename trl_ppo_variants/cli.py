@@ -645,10 +645,7 @@ def run(algorithm: str, args: list[str]) -> int:
         trainer.accelerator.print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
     if hasattr(trainer, "end"):
         trainer.end()
-    from .distributed import shutdown
-
-    shutdown()  # a process group left to interpreter exit can abort a finished run (SIGABRT)
-    return 0
+    return 0  # the process group is left to `entry` -> `distributed.finish`, which ends multi-process runs safely
 
 
 def main(argv: list[str] | None = None) -> int:

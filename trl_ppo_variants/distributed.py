@@ -19,11 +19,15 @@ def shutdown() -> None:
 
 
 def _world_size() -> int:
+    """The process group's size; the launcher's WORLD_SIZE when the group is gone (destroyed before `finish`): the
+    process is still one of several, and its teardown can still abort."""
+    import os
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
-    return 1
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 def finish(code: int = 0):
