@@ -17,6 +17,7 @@ from trl_ppo_variants.advantages import (
     length_adaptive_lambda,
     masked_mean,
     masked_whiten,
+    normalize_then_sum_advantages,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     remax_advantages,
@@ -91,6 +92,35 @@ def test_grpo_group_size_one_and_bad_scale():
     assert torch.equal(grpo_advantages(t([1.0, 2.0]), 1, "group"), torch.zeros(2))
     with pytest.raises(ValueError, match="scale must be one of"):
         grpo_advantages(REWARDS, 3, "std")
+
+
+# --------------------------------------------------------------------------------------------- normalize_then_sum
+def test_normalize_then_sum_hand_computed():
+    """G = 2, two functions, weights (1, 2). Group 0: function 0 = (1, 0), function 1 constant; group 1: function 0
+    unknown, function 1 = (2, 4); group 2: row 4 unscorable, row 5 alone in both functions (no std: its normalised
+    rewards are dropped and its sum is 0, as in TRL)."""
+    rewards = t([[1.0, 0.0], [0.0, 0.0], [NAN, 2.0], [NAN, 4.0], [NAN, NAN], [3.0, 1.0]])
+    a = 0.5 / (math.sqrt(0.5) + EPS)  # (1 - 0.5) / sample std of (1, 0)
+    b = 2 * 1.0 / (math.sqrt(2.0) + EPS)  # weight 2 x (4 - 3) / sample std of (2, 4)
+    sums = [a, -a, -b, b, 0.0]  # the scorable rows; mean 0
+    std = math.sqrt(sum(x * x for x in sums) / (len(sums) - 1))
+    expected = [x / (std + EPS) for x in sums[:4]] + [0.0, 0.0]
+    close(normalize_then_sum_advantages(rewards, t([1.0, 2.0]), 2), expected, atol=1e-5)
+
+
+def test_normalize_then_sum_single_function_is_group_then_batch_normalisation():
+    """With one reward function the aggregation is GRPO's group normalisation followed by a batch whitening, and a
+    group of one sample carries no signal (0), as TRL computes it."""
+    rewards = REWARDS.unsqueeze(1)
+    grouped = grpo_advantages(REWARDS, 3)
+    finite = grouped[~torch.isnan(grouped)]
+    expected = (grouped - finite.mean()) / (finite.std() + EPS)
+    close(normalize_then_sum_advantages(rewards, t([1.0]), 3), expected, atol=1e-6)
+    close(normalize_then_sum_advantages(rewards, t([1.0]), 1), [0.0] * 6)
+    with pytest.raises(ValueError, match="weights must have shape"):
+        normalize_then_sum_advantages(rewards, t([1.0, 1.0]), 3)
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        normalize_then_sum_advantages(rewards, t([1.0]), 4)
 
 
 # --------------------------------------------------------------------------------------------- rloo

@@ -17,6 +17,7 @@ import torch
 
 __all__ = [
     "grpo_advantages",
+    "normalize_then_sum_advantages",
     "rloo_advantages",
     "remax_advantages",
     "reinforce_pp_advantages",
@@ -89,6 +90,42 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group"
         std = _nan_std(rewards) if rewards.numel() > 1 else torch.zeros((), dtype=rewards.dtype)
         adv = adv / (std + eps)
     return torch.nan_to_num(adv.reshape(-1), nan=0.0)
+
+
+def normalize_then_sum_advantages(
+    rewards_per_func: torch.Tensor, weights: torch.Tensor, group_size: int, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO advantages with GDPO's aggregation (arXiv 2601.05242), as TRL's `GRPOTrainer` computes them for
+    `multi_objective_aggregation="normalize_then_sum"`.
+
+    1. each reward function k is normalised within each group: `z_ik = (r_ik - mean_group_k) / (std_group_k + eps)`
+       (sample std; a function with fewer than 2 finite values in the group gives NaN, dropped in step 2; a
+       function equal over the group, or any function when `group_size` is 1, gives 0);
+    2. the weighted sum over the functions, ignoring NaN: `s_i = sum_k w_k z_ik`, NaN when every function of row i is
+       NaN (unscorable);
+    3. the sums are normalised over the whole batch: `A_i = (s_i - mean(s)) / (std(s) + eps)` (sample std; 0 when
+       fewer than 2 rows are scorable). `scale_rewards` is not used, as in TRL.
+
+    Args:
+        rewards_per_func: (N, F) raw rewards, NaN where a function returned None.
+        weights: (F,) reward weights.
+        group_size: G.
+    Returns:
+        (N,) advantages; 0 for unscorable rows.
+    """
+    n, num_funcs = rewards_per_func.shape
+    if weights.shape != (num_funcs,):
+        raise ValueError(f"weights must have shape ({num_funcs},), got {tuple(weights.shape)}")
+    group_view(rewards_per_func[:, 0], group_size)  # the row count must split into groups
+    grouped = rewards_per_func.view(-1, group_size, num_funcs)
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = _nan_std(grouped, dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    normalized = ((grouped - mean) / (std + eps)).view(n, num_funcs)
+    summed = (normalized * weights.to(normalized).unsqueeze(0)).nansum(dim=1)
+    summed[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
+    batch_std = _nan_std(summed) if n > 1 else torch.zeros((), dtype=summed.dtype, device=summed.device)
+    advantages = (summed - torch.nanmean(summed)) / (batch_std + eps)
+    return torch.nan_to_num(advantages, nan=0.0)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
