@@ -70,3 +70,15 @@ def quarter_means(rewards):
     """(mean of the first quarter, mean of the last quarter): what the learning tests compare."""
     k = max(1, len(rewards) // 4)
     return sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+
+
+def assert_finite_logs(log_history):
+    """Every logged value is a finite number: no NaN, no inf, no None (TRL logs None for a metric that was NaN at
+    every step)."""
+    import math
+
+    for entry in log_history:
+        for key, value in entry.items():
+            assert value is not None, f"{key} logged as None at {entry.get('step')}"
+            if isinstance(value, float):
+                assert math.isfinite(value), f"{key} = {value} at {entry.get('step')}"

@@ -48,6 +48,20 @@ CASES = [
     ("rloo", {"max_completion_length": 0}, "max_completion_length"),
     ("rloo", {"steps_per_generation": 0}, "steps_per_generation"),
     ("rloo", {"multi_objective_aggregation": "normalize_then_sum"}, "multi_objective_aggregation"),
+    ("ppo", {"multi_objective_aggregation": "normalize_then_sum"}, "multi_objective_aggregation"),
+    ("ttrl", {"multi_objective_aggregation": "normalize_then_sum", "kl_in_reward_coef": 0.1}, "kl_in_reward_coef"),
+    # one sample per prompt: refused where the estimator needs a group
+    ("dapo", {"num_generations": 1}, "num_generations"),
+    ("reinforce_pp_baseline", {"num_generations": 1}, "num_generations"),
+    # dual-clip only on a token-level PPO-clip loss
+    ("rloo", {"clip_ratio_c": 3.0}, "loss_type"),
+    ("remax", {"clip_ratio_c": 3.0, "loss_type": "cispo"}, "loss_type"),
+    ("vapo", {"clip_ratio_c": 0.9}, "clip_ratio_c"),
+    # critic warm-up: fewer steps than max_steps (2 here)
+    ("ppo", {"critic_warmup_steps": 2}, "critic_warmup_steps"),
+    # the per-step token normaliser needs whole optimizer steps inside a generation batch
+    ("rloo", {"loss_type": "dapo", "gradient_accumulation_steps": 2, "steps_per_generation": 1},
+     "steps_per_generation"),
     # needs the model: the toy model's context is 256 positions
     ("rloo", {"max_completion_length": 256}, "max_completion_length"),
     ("ppo", {"value_model_path": "/nonexistent/critic"}, "value_model_path"),

@@ -371,6 +371,37 @@ def test_without_dynamic_sampling_it_is_grpo_plus_shaping(tmp_path, toy_model_di
     assert not any("dapo/rounds" in h for h in trainer.state.log_history)
 
 
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_normalize_then_sum_advantages_of_the_trained_rows(tmp_path, toy_model_dir, toy_dataset, dynamic_sampling):
+    """GDPO's aggregation (TRL's `multi_objective_aggregation="normalize_then_sum"`): each reward function (the
+    overlong shaping term included) normalised within the group, summed with the weights, normalised over the batch,
+    on the rows actually trained (after the dynamic-sampling filter)."""
+    from trl_ppo_variants.advantages import grpo_advantages, normalize_then_sum_advantages
+
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    args = toy_args(DAPOConfig, tmp_path, max_steps=1, dynamic_sampling=dynamic_sampling, temperature=1.5,
+                    multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5],
+                    max_generation_rounds=4)
+    trainer = DAPOTrainer(toy_model_dir, [addition_reward, length], args=args, train_dataset=toy_dataset)
+    seen = []
+    estimate = trainer.compute_advantages
+
+    def spy(rewards, batch, group_size):
+        out = estimate(rewards, batch, group_size)
+        seen.append((trainer.advantage_rewards_per_func.clone(), rewards.clone(), group_size, out))
+        return out
+
+    trainer.compute_advantages = spy
+    trainer.train()
+    per_func, rewards, group_size, advantages = seen[0]
+    assert per_func.shape == (rewards.shape[0], 3)  # accuracy, length, overlong shaping
+    weights = torch.tensor([1.0, 0.5, 1.0])
+    assert torch.equal(advantages, normalize_then_sum_advantages(per_func, weights, group_size))
+    assert not torch.allclose(advantages, grpo_advantages(rewards, group_size))
+
+
 def test_kl_loss_term_survives_refills(tmp_path, toy_model_dir, toy_dataset):
     """beta > 0 (not DAPO's default, but allowed): every round computes reference log-probs, and they are moved
     with the kept rows."""

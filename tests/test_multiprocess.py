@@ -1,7 +1,11 @@
 """Two processes on CPU (gloo) with groups split across ranks: REINFORCE++ and RLOO complete, the ranks agree on
 the global advantages and end with identical weights, and the advantages are the pure functions' on the gathered
-rewards, masks and KL. Script: tests/scripts/mp_foundation.py."""
+rewards, masks and KL (script: tests/scripts/mp_foundation.py). One sample per prompt: REINFORCE++ and ReMax with
+`num_generations=1` train and evaluate, with each optimizer step normalised by its own tokens summed over the
+processes (script: tests/scripts/one_sample_two_process.py)."""
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -14,18 +18,19 @@ from trl_ppo_variants.advantages import reinforce_pp_advantages, rloo_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 29611  # this test's port (helpers' ranges must not overlap)
+ONE_SAMPLE_PORT = 29615
 
 
-def launch(model_dir, out_dir):
+def launch(model_dir, out_dir, script="mp_foundation.py", port=PORT, marker="MP-FOUNDATION-OK"):
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [
         str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--main_process_port", str(PORT),
-        str(ROOT / "tests" / "scripts" / "mp_foundation.py"), model_dir, str(out_dir),
+        "--mixed_precision", "no", "--main_process_port", str(port),
+        str(ROOT / "tests" / "scripts" / script), model_dir, str(out_dir),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0 and "MP-FOUNDATION-OK" in proc.stdout, (
+    assert proc.returncode == 0 and marker in proc.stdout, (
         f"2-process run failed (rc={proc.returncode})\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
     )
 
@@ -63,3 +68,37 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
                     global_slice = global_slice[:, :width]
                 assert torch.equal(local, global_slice), f"{where}: rank {rank} slice"
         assert saw_kl, f"{algo}: the KL in the reward was 0 at every step"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_one_sample_per_prompt(toy_model_dir, tmp_path):
+    launch(toy_model_dir, tmp_path, "one_sample_two_process.py", ONE_SAMPLE_PORT, "ONE-SAMPLE-OK")
+    for algo in ("reinforce_pp", "remax"):
+        ranks = [json.loads((tmp_path / f"{algo}_rank{r}.json").read_text()) for r in range(2)]
+        assert [r["world_size"] for r in ranks] == [2, 2] and [r["global_step"] for r in ranks] == [4, 4], algo
+        assert ranks[0]["weights"] == ranks[1]["weights"], algo
+        assert ranks[0]["records"] == ranks[1]["records"], algo  # every rank estimated the same global batch
+        records = ranks[0]["records"]
+        # 2 generation batches of 12 prompts (3 per process and step, 2 steps each), 1 eval batch of 6: groups of one
+        assert [(r["training"], r["group_size"], len(r["rewards"])) for r in records] == \
+            [(True, 1, 12), (True, 1, 12), (False, 1, 6)], algo
+        if algo == "remax":  # one greedy row per sample, A = r - r(greedy)
+            for r in records:
+                assert len(r["baseline"]) == len(r["rewards"])
+                assert r["advantages"] == pytest.approx([a - b for a, b in zip(r["rewards"], r["baseline"])])
+        # each optimizer step (one micro-batch per process) is normalised by its own tokens on both processes:
+        # TRL's "dapo" normaliser divides num_items_in_batch by steps_per_generation / accumulation = 2
+        steps = list(zip(ranks[0]["micro_batches"], ranks[1]["micro_batches"]))
+        assert len(steps) == 4, algo
+        for mine, theirs in steps:
+            assert mine["step"] == theirs["step"] and mine["num_items_in_batch"] == theirs["num_items_in_batch"]
+            assert mine["num_items_in_batch"] / 2 == mine["tokens"] + theirs["tokens"], algo
+        logs = ranks[0]["log_history"]
+        # rewards are logged at the steps that generated (2 of 4), the losses at every step
+        assert sum("eval_reward" in h for h in logs) == 1 and sum("reward" in h for h in logs) == 2, algo
+        assert sum("loss" in h for h in logs) == 4, algo
+        for entry in logs:
+            assert not any("frac_reward_zero_std" in key for key in entry), algo
+            for key, value in entry.items():
+                assert value is not None and (not isinstance(value, float) or math.isfinite(value)), (algo, key)

@@ -41,6 +41,9 @@ def _keys(path):
 
 # ------------------------------------------------------------------------------------------------ config
 @pytest.mark.parametrize("field, value, extra", [
+    ("critic_warmup_steps", -1, {}),
+    ("critic_warmup_steps", 2, {"max_steps": 2}),
+    ("lr_scheduler_type", "greedy", {"critic_warmup_steps": 1, "eval_strategy": "steps", "eval_steps": 1}),
     ("clip_ratio_c", 1.0, {}),
     ("loss_type", "sapo", {"clip_ratio_c": 3.0}),
     ("delta", 2.0, {"clip_ratio_c": 3.0}),
@@ -61,6 +64,7 @@ def test_config_defaults(tmp_path):
     assert args.ddp_find_unused_parameters is False  # the critic runs outside DDP's forward
     assert (args.vf_coef, args.cliprange_value, args.gamma, args.lam) == (0.1, 0.2, 1.0, 0.95)
     assert args.kl_in_reward_coef == 0.05 and args.clip_ratio_c is None and args.value_model_path is None
+    assert args.critic_warmup_steps == 0
     assert args.effective_critic_learning_rate == args.learning_rate
 
 
@@ -186,6 +190,41 @@ def test_loss_adds_the_value_term_and_the_dual_clip_correction(toy_model_dir, to
     assert trainer._metrics["train"]["clip_ratio/dual_mean"][-1] == pytest.approx((neg.sum() / mask.sum()).item())
     for key in ("value/loss", "value/clip_frac", "approx_kl", "value/mean", "value/return_mean"):
         assert trainer._metrics["train"][key], key
+
+
+# ------------------------------------------------------------------------------------------------ critic warm-up
+def test_critic_warmup_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_path):
+    """`critic_warmup_steps=2` of 4 (VAPO's value pre-training, one implementation): during the warm-up the policy is
+    bit-identical (weight decay 0.1 would shrink it otherwise) and the critic learns; then both learn, the policy
+    from a fresh optimizer state; the policy's linear schedule spans its own 2 steps, the critic's all 4."""
+    from test_vapo import Snapshots, assert_frozen_for_two_steps
+
+    snaps = Snapshots()
+    args = toy_args(PPOConfig, tmp_path, kl_in_reward_coef=0.0, max_steps=4, critic_warmup_steps=2,
+                    weight_decay=0.1, lr_scheduler_type="linear", critic_learning_rate=1e-3)
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset, callbacks=[snaps])
+    snaps.trainer = trainer
+    trainer.train()
+    assert_frozen_for_two_steps(snaps.steps)
+    logs = [h for h in trainer.state.log_history if "critic_warmup" in h]
+    assert [h["critic_warmup"] for h in logs] == [1.0, 1.0, 0.0, 0.0]
+    assert [h["learning_rate"] for h in logs] == pytest.approx([0.0, 0.0, 1e-3, 0.5e-3])
+    assert [h["value/learning_rate"] for h in logs] == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    state = trainer.optimizer.state
+    assert state[trainer.model.model.embed_tokens.weight]["step"].item() == 2
+    assert state[trainer.critic.model.embed_tokens.weight]["step"].item() == 4
+
+
+def test_without_critic_warmup_the_scheduler_is_transformers(toy_model_dir, toy_dataset, tmp_path):
+    from transformers.optimization import get_scheduler
+
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, max_steps=4, warmup_steps=1)
+    trainer.create_optimizer()
+    ours = trainer.create_scheduler(4)
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    reference = get_scheduler("linear", probe, num_warmup_steps=1, num_training_steps=4)
+    expected = reference.lr_lambdas[0]
+    assert all(f.func is expected.func and f.keywords == expected.keywords for f in ours.lr_lambdas)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints, export

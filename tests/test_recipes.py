@@ -78,6 +78,8 @@ def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
         assert train.n_votes == 2 * train.n_train and train.num_generations == train.n_votes
     if algo == "reinforce_pp_baseline":
         assert train.baseline and train.kl_loss_estimator == "k2"
+    if algo in ("reinforce_pp", "remax"):  # REINFORCE++: one sample per prompt; ReMax: one sample plus the greedy one
+        assert train.num_generations == 1
 
 
 def test_wrong_field_name_in_a_recipe_is_an_error(tmp_path):

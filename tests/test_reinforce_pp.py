@@ -1,9 +1,10 @@
 """REINFORCE++ and REINFORCE++-baseline: the advantages the trainer ships equal the pure functions on the same
-rewards, masks and (independently recomputed) KL; and both variants learn the toy task."""
+rewards, masks and (independently recomputed) KL; the paper's one sample per prompt; and both variants learn the toy
+task."""
 
 import pytest
 import torch
-from conftest import perturb, toy_args
+from conftest import assert_finite_logs, perturb, toy_args
 from test_rloo import reward_curve
 
 from trl_ppo_variants.advantages import kl_estimate, reinforce_pp_advantages, reinforce_pp_baseline_advantages
@@ -64,6 +65,31 @@ def test_reinforce_pp_baseline_batch_advantages_equal_pure_function(toy_model_di
     assert expected.abs().max() > 0.1
     torch.testing.assert_close(out["advantages"], expected, rtol=1e-5, atol=1e-6)
     assert "ref_per_token_logps" in out  # for the k2 loss term (beta = 1e-3 by default)
+
+
+@pytest.mark.timeout(180)
+def test_one_sample_per_prompt_trains_and_evaluates(toy_model_dir, tmp_path):
+    """The paper's setting (arXiv 2501.03262: one response per prompt, the baseline is the batch whitening):
+    `num_generations=1` trains and evaluates, every step estimates advantages on groups of one, the logs are finite
+    and hold no `frac_reward_zero_std` (always 1 for groups of one), `reward_std` is the batch's."""
+    from trl_ppo_variants.toy import addition_dataset
+
+    args = toy_args(ReinforcePPConfig, tmp_path, beta=None, num_generations=1, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4, max_steps=3, eval_strategy="steps", eval_steps=3, temperature=1.5)
+    trainer = ReinforcePPTrainer(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(64),
+                                 eval_dataset=addition_dataset(8, seed=1))
+    seen = []
+    estimate = trainer.compute_advantages
+    trainer.compute_advantages = lambda r, b, g: seen.append((trainer.model.training, g, r.shape[0])) or estimate(
+        r, b, g)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert seen == [(True, 1, 4)] * 3 + [(False, 1, 4)] * 2
+    logs = trainer.state.log_history
+    assert_finite_logs(logs)
+    assert not any("frac_reward_zero_std" in key for entry in logs for key in entry)
+    assert sum("reward_std" in h for h in logs) == 3 and sum("eval_reward_std" in h for h in logs) == 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
 @pytest.mark.timeout(240)

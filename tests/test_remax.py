@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import logged_rewards, quarter_means, toy_args
+from conftest import assert_finite_logs, logged_rewards, quarter_means, toy_args
 
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers import remax
@@ -155,6 +155,41 @@ def test_rows_advantages_and_logging(tmp_path, toy_model_dir, toy_dataset, toy_t
     trainer.current_gradient_accumulation_steps = 1  # set by `Trainer.train`, which this test does not run
     loss = trainer.compute_loss(trainer.model, output)
     assert torch.isfinite(loss)
+
+
+@pytest.mark.timeout(180)
+def test_one_sample_per_prompt_with_its_greedy_baseline(tmp_path, toy_model_dir, toy_dataset):
+    """The paper's setting (Algorithm 1: one sample and the greedy completion per prompt): every row gets its own
+    greedy row, A = r - r(greedy); training and evaluation run with finite logs and no `frac_reward_zero_std`."""
+    from trl_ppo_variants.toy import addition_dataset
+
+    args = toy_args(ReMaxConfig, tmp_path, num_generations=1, per_device_train_batch_size=4,
+                    per_device_eval_batch_size=4, max_steps=2, eval_strategy="steps", eval_steps=2, temperature=1.5)
+    trainer = ReMaxTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset,
+                           eval_dataset=addition_dataset(8, seed=1))
+    trainer.model.train()
+    seen = []
+    score = trainer._score_greedy
+
+    def spy(greedy, inputs, prompts, completions, completion_ids_list):
+        out = score(greedy, inputs, prompts, completions, completion_ids_list)
+        seen.append((greedy["rows"], list(completions), [x["answer"] for x in inputs], out[:, 0].clone()))
+        return out
+
+    trainer._score_greedy = spy
+    torch.manual_seed(0)
+    output = trainer._generate_and_score_completions(_batch(toy_dataset, 4, group_size=1))
+    rows, completions, answers, baseline = seen[0]
+    assert rows == [0, 1, 2, 3]
+    r = torch.tensor(addition_reward(completions, answers))
+    assert torch.equal(output["advantages"], r - baseline)
+    assert "frac_reward_zero_std" not in trainer._metrics["train"]
+
+    trainer.train()
+    logs = trainer.state.log_history
+    assert_finite_logs(logs)
+    assert not any("frac_reward_zero_std" in key for entry in logs for key in entry)
+    assert sum("remax/greedy_reward" in h for h in logs) == 2 and any("eval_remax/greedy_reward" in h for h in logs)
 
 
 def test_tool_turns_get_no_greedy_rows(tmp_path, toy_model_dir, toy_dataset, monkeypatch):

@@ -109,18 +109,24 @@ def test_resumable_sampler_draws_trl_order():
 
 
 @pytest.mark.timeout(300)
-def test_vapo_resume_during_value_pretraining_is_exact(toy_model_dir, tmp_path):
-    """A checkpoint in the middle of VAPO's value pre-training (step 3 of 4 pre-training steps, 6 in all): the resumed
-    run pre-trains exactly one more step, then trains the policy, and ends equal to the uninterrupted run."""
-    if "vapo" not in available_specs():
-        pytest.fail("the VAPO trainer is missing")
-    common = dict(max_steps=6, save_strategy="steps", save_steps=STOP, value_pretrain_steps=4)
-    full = make_trainer("vapo", toy_model_dir, tmp_path, "full", **common)
+@pytest.mark.parametrize("name, field", [("vapo", "value_pretrain_steps"), ("ppo", "critic_warmup_steps")])
+def test_resume_during_critic_warmup_is_exact(name, field, toy_model_dir, tmp_path):
+    """A checkpoint in the middle of the critic warm-up (VAPO's value pre-training; PPO's `critic_warmup_steps`, the
+    same mechanism): step 3 of 4 warm-up steps, 6 in all, with the policy's warm-up schedule starting at step 4.
+    The resumed run warms the critic up exactly one more step, then trains the policy on the same schedule, and ends
+    equal to the uninterrupted run."""
+    if name not in available_specs():
+        pytest.fail(f"the {name} trainer is missing")
+    common = dict(max_steps=6, save_strategy="steps", save_steps=STOP, warmup_steps=1, **{field: 4})
+    full = make_trainer(name, toy_model_dir, tmp_path, "full", **common)
     full.train()
-    stopped = make_trainer("vapo", toy_model_dir, tmp_path, "stopped", callbacks=[StopAt(STOP)], **common)
+    stopped = make_trainer(name, toy_model_dir, tmp_path, "stopped", callbacks=[StopAt(STOP)], **common)
     stopped.train()
     assert stopped.state.global_step == STOP
-    resumed = make_trainer("vapo", toy_model_dir, tmp_path, "stopped", **common)
+    resumed = make_trainer(name, toy_model_dir, tmp_path, "stopped", **common)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 6
     _assert_same_run(full, resumed, STOP)
+    # the rate each step ran with: steps 1-4 warm the critic up, step 5 is the policy's first (its own warm-up step)
+    rates = [step_logs(resumed)[s]["learning_rate"] for s in range(4, 7)]
+    assert rates == pytest.approx([0.0, 0.0, 1e-3])

@@ -66,7 +66,7 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
                           train_dataset=toy_dataset)
     for attr in ("beta", "ref_model", "reward_weights", "num_generations", "num_generations_eval", "loss_type",
                  "max_completion_length", "importance_sampling_level", "_metrics", "_logs", "_tokenizer",
-                 "accelerator"):
+                 "accelerator", "_buffered_inputs", "_step", "epsilon_low", "epsilon_high", "scale_rewards"):
         assert hasattr(trainer, attr), f"GRPOTrainer no longer has `{attr}`; trainers/base.py reads it"
     assert "advantages" in trainer._logs, "GRPOTrainer._logs['advantages'] is gone; base._log_advantages edits it"
     assert trainer._logs["advantages"].maxlen is not None
@@ -76,9 +76,22 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
             f"GRPOTrainer._generate_and_score_completions no longer contains {needle!r}: the seam in "
             "trainers/base.py (rewards capture, reference toggling, advantage replacement) must be re-checked"
         )
+    source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    needle = "self._buffered_inputs[self._step % self.args.steps_per_generation]"
+    assert needle in source, (
+        f"GRPOTrainer._prepare_inputs no longer contains {needle!r}: the per-optimizer-step token count of "
+        "trainers/base.py (`_step_normalizers`) assumes micro-batch `_step` trains that slice of the buffer"
+    )
+    source = inspect.getsource(trl.GRPOConfig.__post_init__)
+    assert "self.num_generations < 2" in source, (
+        "GRPOConfig.__post_init__ no longer refuses num_generations < 2 with `<`: re-check base._GroupOfOne, which "
+        "lets REINFORCE++ and ReMax configs through with num_generations=1"
+    )
     source = inspect.getsource(GRPOTrainer._compute_loss)
-    for needle in ('inputs["advantages"]', "self.beta * per_token_kl", "self._get_per_token_logps_and_entropies("):
+    for needle in ('inputs["advantages"]', "self.beta * per_token_kl", "self._get_per_token_logps_and_entropies(",
+                   'inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes',
+                   "self.current_gradient_accumulation_steps / self.args.steps_per_generation"):
         assert needle in source, (
-            f"GRPOTrainer._compute_loss no longer contains {needle!r}: the KL toggling and log-prob capture in "
-            "trainers/base.py must be re-checked"
+            f"GRPOTrainer._compute_loss no longer contains {needle!r}: the KL toggling, log-prob capture and "
+            "per-step token normaliser in trainers/base.py must be re-checked"
         )

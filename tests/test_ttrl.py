@@ -30,6 +30,8 @@ def test_config_sets_num_generations_and_defaults(tmp_path):
     assert args.num_generations == 8 and args.n_votes == 8 and args.n_train == 4
     args = toy_args(TTRLConfig, tmp_path)  # n_votes defaults to num_generations
     assert args.n_votes == 4 and args.n_train == 2
+    args = toy_args(TTRLConfig, tmp_path, multi_objective_aggregation="normalize_then_sum")  # GDPO: GRPO's advantage
+    assert args.multi_objective_aggregation == "normalize_then_sum"
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,7 @@ def test_config_sets_num_generations_and_defaults(tmp_path):
         (dict(answer_extractor="nope"), "answer_extractor"),
         (dict(answer_extractor="no_such_module:f"), "answer_extractor"),
         (dict(answer_equivalence="fuzzy"), "answer_equivalence"),
+        (dict(multi_objective_aggregation="normalize_then_sum", kl_in_reward_coef=0.1), "kl_in_reward_coef"),
         # 8 rows per rank, 3 of 8 kept: 3 rows cannot split into steps_per_generation=2 micro-batches
         (dict(n_votes=8, n_train=3, per_device_train_batch_size=4, steps_per_generation=2),
          "per_device_train_batch_size"),
@@ -116,6 +119,37 @@ def test_vote_rewards_subset_advantages_and_metrics(tmp_path, toy_model_dir, toy
     # dropped rows show NaN advantages in the completions table
     logged = list(trainer._logs["advantages"])
     assert [math.isnan(a) for a in logged] == [i not in keep for i in range(8)]
+
+
+@pytest.mark.timeout(120)
+def test_kl_in_reward_is_subtracted_before_the_grpo_advantage(tmp_path, toy_model_dir, toy_dataset):
+    """`kl_in_reward_coef` (as ReMax applies it): the summed k1 KL of each trained completion to the reference,
+    recomputed here from the policy and the reference log-probs, times the coefficient, is subtracted from its vote
+    reward before the GRPO advantage over the n_train kept rows."""
+    from conftest import perturb
+
+    from trl_ppo_variants.advantages import kl_estimate
+
+    coef = 0.5
+    args = toy_args(TTRLConfig, tmp_path, n_votes=4, n_train=2, temperature=1.5, kl_in_reward_coef=coef,
+                    answer_extractor="last_number")
+    trainer = TTRLTrainer(toy_model_dir, args=args, train_dataset=toy_dataset)
+    perturb(trainer.model, seed=0, scale=0.05)  # KL(policy || reference) != 0
+    trainer.model.train()
+    torch.manual_seed(0)
+    out = trainer._generate_and_score_completions([dict(toy_dataset[i]) for i in range(2) for _ in range(4)])
+    keep = [g * 4 + j for g in range(2) for j in range(2)]
+    votes = trainer._captured_rewards_per_func[keep, 0]
+    mask = out["completion_mask"]
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
+    att = torch.cat([out["prompt_mask"], mask], 1)
+    with torch.no_grad():
+        logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, att, mask.shape[1])[0]
+    kl = (kl_estimate(logps, out["ref_per_token_logps"], "k1") * mask).sum(dim=1)
+    assert kl.abs().max() > 1e-2
+    expected = grpo_advantages(votes - coef * kl, 2)
+    torch.testing.assert_close(out["advantages"], expected, rtol=1e-4, atol=1e-5)
+    assert (expected - grpo_advantages(votes, 2)).abs().max() > 1e-3  # the KL changed the advantages
 
 
 def test_random_subset_is_seeded_and_within_groups(tmp_path, toy_model_dir, toy_dataset):

@@ -52,6 +52,15 @@ def _moved(a, b, critic):
     return any(not torch.equal(a[n], b[n]) for n in a if n.startswith("critic.") == critic)
 
 
+def assert_frozen_for_two_steps(s):
+    """Snapshots `s` of 4 steps with a critic warm-up of 2: during it the policy is bit-identical (weight decay 0.1
+    would shrink it otherwise) and the critic learns; after it both learn."""
+    assert not _moved(s[0], s[1], critic=False) and not _moved(s[0], s[2], critic=False)
+    assert _moved(s[0], s[1], critic=True) and _moved(s[1], s[2], critic=True)
+    assert _moved(s[2], s[3], critic=False) and _moved(s[3], s[4], critic=False)
+    assert _moved(s[2], s[3], critic=True)
+
+
 # ------------------------------------------------------------------------------------------------ config
 def test_defaults_follow_the_paper(tmp_path):
     args = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[])
@@ -64,6 +73,8 @@ def test_defaults_follow_the_paper(tmp_path):
 
 @pytest.mark.parametrize("field, value, extra", [
     ("value_pretrain_steps", -1, {}),
+    ("critic_warmup_steps", 3, {"value_pretrain_steps": 1}),  # PPO's name for the same setting: unset or equal
+    ("lr_scheduler_type", "reduce_lr_on_plateau", {"eval_strategy": "steps", "eval_steps": 1}),
     ("value_pretrain_steps", 2, {"max_steps": 2}),
     ("lam_critic", 1.5, {}),
     ("lam_policy", -0.5, {}),
@@ -174,13 +185,7 @@ def test_value_pretraining_freezes_the_policy_only(toy_model_dir, toy_dataset, t
                        weight_decay=0.1)
     snaps.trainer = trainer
     trainer.train()
-    s = snaps.steps
-    # steps 1-2: the policy is bit-identical (weight decay 0.1 would shrink it otherwise), the critic learns
-    assert not _moved(s[0], s[1], critic=False) and not _moved(s[0], s[2], critic=False)
-    assert _moved(s[0], s[1], critic=True) and _moved(s[1], s[2], critic=True)
-    # after: both learn
-    assert _moved(s[2], s[3], critic=False) and _moved(s[3], s[4], critic=False)
-    assert _moved(s[2], s[3], critic=True)
+    assert_frozen_for_two_steps(snaps.steps)
     logged = [h["value_pretraining"] for h in trainer.state.log_history if "value_pretraining" in h]
     assert logged == [1.0, 1.0, 0.0, 0.0]
     # the policy's Adam state restarted when pre-training ended: 2 steps counted, the critic's 4
@@ -207,6 +212,73 @@ def test_value_pretraining_counter_survives_resume(toy_model_dir, toy_dataset, t
     assert not _moved(s[1], s[2], critic=False) and _moved(s[1], s[2], critic=True)  # step 2 still pre-trains
     assert _moved(s[2], s[3], critic=False)
     assert second.optimizer.state[second.model.model.embed_tokens.weight]["step"].item() == 2
+
+
+class LearningRates(TrainerCallback):
+    """The learning rate each optimizer step ran with, of the policy's and the critic's param groups."""
+
+    def __init__(self):
+        self.trainer, self.policy, self.critic = None, [], []
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # after optimizer.step(), before scheduler.step()
+        from trl_ppo_variants.trainers.ppo import GROUP_ROLE
+
+        groups = self.trainer.optimizer.param_groups
+        self.policy.append(next(g["lr"] for g in groups if g[GROUP_ROLE] == "policy"))
+        self.critic.append(next(g["lr"] for g in groups if g[GROUP_ROLE] == "critic"))
+
+
+def _rates(toy_model_dir, toy_dataset, tmp_path, **overrides):
+    rates = LearningRates()
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, callbacks=[rates], **overrides)
+    rates.trainer = trainer
+    trainer.train()
+    return trainer, rates
+
+
+def test_policy_schedule_starts_when_value_pretraining_ends(toy_model_dir, toy_dataset, tmp_path):
+    """Linear decay over 5 steps, 2 of value pre-training: the policy's first step runs at the full learning rate and
+    its schedule decays over its own 3 steps; the critic decays over all 5 from step 0 (its own rate, 2e-3)."""
+    trainer, rates = _rates(toy_model_dir, toy_dataset, tmp_path, max_steps=5, value_pretrain_steps=2,
+                            lr_scheduler_type="linear", learning_rate=1e-3, critic_learning_rate=2e-3)
+    assert rates.policy == pytest.approx([0.0, 0.0, 1e-3, 1e-3 * 2 / 3, 1e-3 / 3])
+    assert rates.critic == pytest.approx([2e-3 * (5 - s) / 5 for s in range(5)])
+    logged = [h["learning_rate"] for h in trainer.state.log_history if "learning_rate" in h]
+    assert logged == pytest.approx(rates.policy)  # transformers logs the policy's rate (the first param group)
+    critic_logged = [h["value/learning_rate"] for h in trainer.state.log_history if "value/learning_rate" in h]
+    assert critic_logged == pytest.approx(rates.critic)
+
+
+def test_policy_warmup_completes_after_value_pretraining(toy_model_dir, toy_dataset, tmp_path):
+    """warmup_steps = 2 = value_pretrain_steps: the policy still warms up (0, 1/2, then the full rate); the critic
+    warms up from step 0."""
+    _, rates = _rates(toy_model_dir, toy_dataset, tmp_path, max_steps=5, value_pretrain_steps=2, warmup_steps=2,
+                      lr_scheduler_type="constant_with_warmup", learning_rate=1e-3, critic_learning_rate=1e-3)
+    assert rates.policy == pytest.approx([0.0, 0.0, 0.0, 0.5e-3, 1e-3])
+    assert rates.critic == pytest.approx([0.0, 0.5e-3, 1e-3, 1e-3, 1e-3])
+
+
+def test_positive_tokens_are_counted_per_optimizer_step(toy_model_dir, toy_dataset, tmp_path):
+    """With two optimizer steps per generation batch, the positive-example NLL is a token mean over the correct
+    completions of its own step: `num_positive_tokens` is set per step like `num_items_in_batch`."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, per_device_train_batch_size=2, num_generations=2,
+                       steps_per_generation=2)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+             "completion_ids": torch.ones(4, 4, dtype=torch.long), "completion_mask": mask,
+             "advantages": torch.zeros(4, 4), "positive": torch.tensor([1.0, 0.0, 1.0, 1.0]),
+             "num_items_in_batch": mask.sum(), "num_positive_tokens": torch.tensor(8.0)}
+    trainer._generate_and_score_completions = lambda inputs: dict(batch)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    torch.manual_seed(0)
+    for step in range(2):
+        trainer._step = step
+        inputs = trainer._prepare_inputs([{}])
+        local = inputs["completion_mask"].float()
+        # TRL's "dapo" normaliser of a step: count / processes * accumulation / steps_per_generation
+        assert inputs["num_items_in_batch"] / 2 == local.sum()
+        assert inputs["num_positive_tokens"] / 2 == (local * inputs["positive"].unsqueeze(1)).sum()
 
 
 # ------------------------------------------------------------------------------------------------ PEFT
@@ -292,6 +364,10 @@ def test_two_processes(tmp_path, toy_model_dir, backend, launch, port):
     logs = ranks[0]["logs"]
     assert len(logs) == 3 and all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
     assert [h["value_pretraining"] for h in logs] == [1.0, 0.0, 0.0]
+    # the policy's schedule starts after pre-training (rate 0 before, the full rate then: linear decay over its own 2
+    # steps), the critic's from step 0: also with DeepSpeed's optimizer wrapper
+    assert [h["learning_rate"] for h in logs] == pytest.approx([0.0, 1e-3, 0.5e-3])
+    assert [h["value/learning_rate"] for h in logs] == pytest.approx([1e-3, 1e-3 * 2 / 3, 1e-3 / 3])
     # the policy's optimizer state was found and dropped once, when pre-training ended (at step 2)
     assert len(ranks[0]["policy_state_entries_reset"]) == 1 and ranks[0]["policy_state_entries_reset"][0] > 0
     main = ranks[0]

@@ -80,7 +80,8 @@ def main():
     trainer.accelerator.wait_for_everyone()
     rank = trainer.accelerator.process_index
     logs = [{k: v for k, v in h.items() if k in ("loss", "value/loss", "value/explained_variance", "grad_norm",
-                                                 "value_pretraining", "positive/nll")}
+                                                 "value_pretraining", "positive/nll", "learning_rate",
+                                                 "value/learning_rate")}
             for h in trainer.state.log_history if "loss" in h]
     checkpoint = os.path.join(args.output_dir, "checkpoint-3")
     result = {

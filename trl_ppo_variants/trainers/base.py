@@ -9,7 +9,10 @@ not copy that method (TRL deleted several of its own experimental trainers whose
    b. recompute the advantages from the kept rewards with the pure functions of `advantages.py`
       (`compute_advantages`, (N,) or (N, T) on the global batch), and
    c. replace `output["advantages"]` with this process's slice and the logged advantages with ours.
-3. `_compute_loss` is TRL's, which accepts (B, T) advantages.
+3. `_compute_loss` is TRL's, which accepts (B, T) advantages; the base adds the terms every algorithm shares: our
+   KL loss estimators, the dual-clip correction (`clip_ratio_c`), each reduced like the policy loss (`_aggregate`).
+4. `_prepare_inputs` is TRL's; with `steps_per_generation != gradient_accumulation_steps` the token count that
+   normalises token-level losses is replaced by that optimizer step's own (`token_level_normalizer`).
 
 `tests/test_trl_guard.py` fails loudly when the private signatures used here change.
 """
@@ -17,12 +20,14 @@ not copy that method (TRL deleted several of its own experimental trainers whose
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from .. import checkpointing, guards, selection
-from ..advantages import KL_KINDS, kl_estimate
+from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
+from ..losses import aggregate_token_loss, ppo_clip_policy_loss
 
 # Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
 TRL_PRIVATE_API = {
@@ -47,6 +52,26 @@ def check(condition: bool, field_name: str, expected: str, value) -> None:
         raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
+#: loss types whose per-token loss is PPO's clipped surrogate with token-level ratios: dual-clip can correct them
+DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+#: loss types normalised by a token count (`num_items_in_batch`), DAPO's token-level loss and its relatives
+TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo", "vespo")
+TOKEN_LEVEL_NORMALIZERS = ("optimizer_step", "generation_batch")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+class _GroupOfOne(int):
+    """`num_generations = 1` while `GRPOConfig.__post_init__` runs, for the configs whose estimator needs no group.
+
+    TRL refuses `num_generations < 2` because GRPO's baseline is the group mean; REINFORCE++ and ReMax have no group.
+    This integer is 1 for every check TRL makes (divisibility of the batch sizes) but never compares as less than
+    anything, so the refusal passes; it is replaced by a plain 1 right after.
+    """
+
+    def __lt__(self, other):
+        return False
+
+
 @dataclass
 class VariantConfig(GRPOConfig):
     r"""
@@ -62,6 +87,29 @@ class VariantConfig(GRPOConfig):
         kl_loss_estimator (`str`, *optional*, defaults to `"k3"`):
             Estimator of the KL loss term weighted by `beta`: `"k3"` (TRL's), `"k2"` (REINFORCE++-baseline, Eq. 8) or
             `"k1"`.
+        clip_ratio_c (`float` or `None`, *optional*, defaults to `None`):
+            Dual-clip bound (> 1; Ye et al., arXiv 1912.09729; 3.0 in verl): for tokens with a negative advantage the
+            PPO-clip loss is further capped at `-A * clip_ratio_c`, so a token whose ratio exploded cannot push an
+            unbounded update. `None` disables it. Refused (one-line error) where the loss is not a token-level PPO-clip
+            loss: `loss_type` other than `"grpo"`, `"bnpo"`, `"dr_grpo"`, `"dapo"` (e.g. `"cispo"`, `"vespo"`,
+            `"sapo"`, `"luspo"`), `importance_sampling_level="sequence"`, and together with `delta`,
+            `top_entropy_quantile < 1` or `off_policy_mask_threshold` (TRL reweights those tokens in ways the
+            correction would have to mirror).
+        token_level_normalizer (`str`, *optional*, defaults to `"optimizer_step"`):
+            What divides a token-level loss (`loss_type` `"dapo"`, `"cispo"`, `"vespo"`, and every term this package
+            reduces like it: KL, value and positive-example NLL losses) when `steps_per_generation !=
+            gradient_accumulation_steps`. `"optimizer_step"`: the loss tokens of that optimizer step, summed over its
+            accumulation micro-batches and the processes (verl's `token-mean`, DAPO arXiv 2503.14476 Eq. 12).
+            `"generation_batch"`: TRL's `GRPOTrainer` normaliser, the tokens of the whole generation batch divided
+            by the number of optimizer steps it feeds (every step gets the same average count). The two are equal
+            when `steps_per_generation == gradient_accumulation_steps` (the default). `"optimizer_step"` needs
+            `steps_per_generation * num_iterations` to be a multiple of `gradient_accumulation_steps` (otherwise an
+            optimizer step would span generation batches not generated yet): other layouts are refused with a
+            token-level loss.
+
+    `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
+    1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
+    GRPO's (DAPO, TTRL) and refused by the others.
     """
 
     kl_in_reward_coef: float = field(
@@ -74,12 +122,34 @@ class VariantConfig(GRPOConfig):
     kl_loss_estimator: str = field(
         default="k3", metadata={"help": "KL estimator of the loss term weighted by `beta`: 'k1', 'k2' or 'k3'."}
     )
+    clip_ratio_c: float | None = field(
+        default=None,
+        metadata={"help": "Dual-clip bound (> 1) for negative advantages (PPO-clip losses only); None disables it."},
+    )
+    token_level_normalizer: str = field(
+        default="optimizer_step",
+        metadata={"help": "Token-level losses: divide each optimizer step by its own loss tokens ('optimizer_step', "
+                          "DAPO Eq. 12) or by the generation batch's average per step ('generation_batch', TRL's)."},
+    )
+
+    #: `multi_objective_aggregation` values this config's estimator gives a meaning to (GRPO-advantage configs add
+    #: "normalize_then_sum")
+    multi_objective_aggregations: ClassVar[tuple[str, ...]] = ("sum_then_normalize",)
+
+    def min_num_generations(self) -> tuple[int, str]:
+        """The smallest `num_generations` this config's estimator works with, and why (for the error message)."""
+        return 2, "a group baseline needs siblings"
+
+    def uses_token_level_normalizer(self) -> bool:
+        """Whether a term of the loss is normalised by a token count (`token_level_normalizer` applies)."""
+        return self.loss_type in TOKEN_LEVEL_LOSS_TYPES
 
     def __post_init__(self):
         # Our checks run before GRPOConfig's so that the user gets the one-line message naming the field (GRPOConfig
         # rejects num_generations < 2 with a message that does not name it).
-        check(isinstance(self.num_generations, int) and self.num_generations >= 2, "num_generations",
-              "an integer >= 2 (a group baseline needs siblings)", self.num_generations)
+        least, why = self.min_num_generations()
+        check(isinstance(self.num_generations, int) and self.num_generations >= least, "num_generations",
+              f"an integer >= {least} ({why})", self.num_generations)
         check(self.kl_in_reward_coef >= 0, "kl_in_reward_coef", "a number >= 0", self.kl_in_reward_coef)
         check(self.beta >= 0, "beta", "a number >= 0", self.beta)
         check(self.kl_in_reward_estimator in KL_KINDS, "kl_in_reward_estimator", f"one of {KL_KINDS}",
@@ -89,12 +159,44 @@ class VariantConfig(GRPOConfig):
         check(self.epsilon >= 0, "epsilon", "a number >= 0", self.epsilon)
         if self.epsilon_high is not None:
             check(self.epsilon_high >= 0, "epsilon_high", "a number >= 0", self.epsilon_high)
-        # Our estimators work on the weighted sum of the reward functions; GRPO's per-function normalisation would
-        # otherwise be silently ignored.
-        check(self.multi_objective_aggregation == "sum_then_normalize", "multi_objective_aggregation",
-              "'sum_then_normalize' (the estimators of this package take the weighted sum of the rewards)",
+        allowed = self.multi_objective_aggregations
+        why = "" if allowed == AGGREGATIONS else (" ('normalize_then_sum' normalises each reward function within its "
+                                                  "group for GRPO's advantage; this estimator takes the weighted sum "
+                                                  "of the rewards)")
+        check(self.multi_objective_aggregation in allowed, "multi_objective_aggregation", f"one of {allowed}{why}",
               self.multi_objective_aggregation)
-        guards.post_init(self, super().__post_init__)  # TRL's checks (batch errors restated in one line) + shared
+        self._check_dual_clip()
+        check(self.token_level_normalizer in TOKEN_LEVEL_NORMALIZERS, "token_level_normalizer",
+              f"one of {TOKEN_LEVEL_NORMALIZERS}", self.token_level_normalizer)
+        one = self.num_generations == 1
+        if one:
+            self.num_generations = _GroupOfOne(1)
+        try:
+            guards.post_init(self, super().__post_init__)  # TRL's checks (batch errors restated in one line) + shared
+        finally:
+            if one:
+                self.num_generations = 1
+        if self.token_level_normalizer == "optimizer_step" and self.uses_token_level_normalizer():
+            block = self.steps_per_generation * self.num_iterations
+            check(block % self.gradient_accumulation_steps == 0, "steps_per_generation",
+                  f"a value whose product with num_iterations={self.num_iterations} is a multiple of "
+                  f"gradient_accumulation_steps={self.gradient_accumulation_steps} with token_level_normalizer="
+                  "'optimizer_step' (or token_level_normalizer='generation_batch', TRL's normaliser)",
+                  self.steps_per_generation)
+
+    def _check_dual_clip(self):
+        if self.clip_ratio_c is None:
+            return
+        check(self.clip_ratio_c > 1.0, "clip_ratio_c", "a number > 1 or None", self.clip_ratio_c)
+        check(self.loss_type in DUAL_CLIP_LOSS_TYPES, "loss_type",
+              f"one of {DUAL_CLIP_LOSS_TYPES} with clip_ratio_c (the token-level PPO-clip losses)", self.loss_type)
+        check(self.importance_sampling_level == "token", "importance_sampling_level",
+              "'token' with clip_ratio_c (dual-clip is per token)", self.importance_sampling_level)
+        check(self.delta is None, "delta", "None with clip_ratio_c (both cap the ratio; pick one)", self.delta)
+        check(self.top_entropy_quantile == 1.0, "top_entropy_quantile", "1.0 with clip_ratio_c",
+              self.top_entropy_quantile)
+        check(self.off_policy_mask_threshold is None, "off_policy_mask_threshold", "None with clip_ratio_c",
+              self.off_policy_mask_threshold)
 
 
 class VariantTrainer(GRPOTrainer):
@@ -109,6 +211,11 @@ class VariantTrainer(GRPOTrainer):
         self._captured_rewards_per_func = None
         self._capture_logps = False
         self._captured_logps = None
+        self._loss_logps = None
+        #: (N, F) per-function rewards of the rows whose advantages `compute_advantages` is computing
+        self.advantage_rewards_per_func = None
+        self._counted_buffer = None
+        self._step_counts = None
         # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
         # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
         # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
@@ -149,6 +256,8 @@ class VariantTrainer(GRPOTrainer):
         the reward, else None)."""
         raise NotImplementedError
 
+    #: set by trainers that read the policy log-probs (with grad) of the loss's forward pass (`_loss_logps`)
+    captures_policy_logps = False
     #: set by estimators that need per-token tensors of the whole batch (masks, KL, values) to compute advantages
     needs_global_batch = False
     #: the rollout entries gathered into that batch (when present); ids and log-probs never are (memory)
@@ -195,6 +304,18 @@ class VariantTrainer(GRPOTrainer):
         """The group size after `select_rows` (TTRL trains on n_train of n_votes rows per prompt)."""
         return group_size
 
+    def grpo_group_advantages(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+        """GRPO's advantage (N,) of the rows being estimated, as `GRPOTrainer` computes it for
+        `multi_objective_aggregation`: the weighted sum `rewards` normalised with `scale_rewards`
+        ("sum_then_normalize"), or each function's reward normalised within its group, summed and normalised over the
+        batch (`advantages.normalize_then_sum_advantages`, GDPO), from `advantage_rewards_per_func`."""
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            per_func = self.advantage_rewards_per_func
+            if per_func is None or per_func.shape[0] != rewards.shape[0]:
+                raise RuntimeError("normalize_then_sum needs `advantage_rewards_per_func` of the same rows")
+            return normalize_then_sum_advantages(per_func, self.reward_weights.to(per_func.device), group_size)
+        return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
+
     # -------------------------------------------------------------------------------------------- the seam
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         guard = guards.RewardGuard(self, prompts)  # a raising/wrong-length function: one-line error on every rank
@@ -222,32 +343,54 @@ class VariantTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         own_kl = self.loss_beta != 0.0 and self.kl_loss_estimator != "k3"
+        dual_clip = self.args.clip_ratio_c is not None
         self.beta = 0.0 if own_kl else self.loss_beta
-        self._capture_logps = own_kl
+        self._capture_logps = own_kl or dual_clip or self.captures_policy_logps
         try:
             loss = super()._compute_loss(model, inputs)
         finally:
             self._capture_logps = False
             self.beta = 1.0 if self.needs_reference else 0.0
+        logps, self._captured_logps = self._captured_logps, None
+        self._loss_logps = logps if self.captures_policy_logps else None
         if own_kl:
-            loss = loss + self.loss_beta * self._kl_loss_term(inputs)
+            loss = loss + self.loss_beta * self._kl_loss_term(inputs, logps)
+        if dual_clip:
+            loss = loss + self._dual_clip_correction(inputs, logps)
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         result = super()._get_per_token_logps_and_entropies(
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
         )
-        if self._capture_logps:  # the policy log-probs (with grad) of the loss's forward pass, for our KL term
+        if self._capture_logps:  # the policy log-probs (with grad) of the loss's forward pass
             self._captured_logps = result[0]
         return result
 
-    def _kl_loss_term(self, inputs) -> torch.Tensor:
-        """KL(pi || ref) loss term with `kl_loss_estimator`, aggregated like the policy loss of `loss_type`."""
-        from ..losses import aggregate_token_loss
+    def _aggregate(self, inputs, per_token, mask, loss_type=None, num_items_in_batch=None) -> torch.Tensor:
+        """Reduce a (B, T) per-token term the way TRL reduces the policy loss of `loss_type` (default: the config's)
+        on this micro-batch, so that its weight relative to the policy loss does not depend on the batch layout."""
+        training = self.model.training
+        return aggregate_token_loss(
+            per_token,
+            mask,
+            loss_type or self.loss_type,
+            num_items_in_batch=inputs["num_items_in_batch"] if num_items_in_batch is None else num_items_in_batch,
+            num_processes=self.accelerator.num_processes,
+            grad_accum=self.current_gradient_accumulation_steps if training else 1,
+            steps_per_generation=self.args.steps_per_generation if training else 1,
+            max_completion_length=self.max_completion_length,
+        )
 
+    def _global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
+        """Mean of `x` over the `mask` entries of every process."""
+        m = mask.to(torch.float32)
+        stats = self.accelerator.reduce(torch.stack([(x.detach().float() * m).sum(), m.sum()]), reduction="sum")
+        return (stats[0] / stats[1].clamp(min=1.0)).item()
+
+    def _kl_loss_term(self, inputs, logps) -> torch.Tensor:
+        """KL(pi || ref) loss term with `kl_loss_estimator`, aggregated like the policy loss of `loss_type`."""
         mask = selection.loss_mask(inputs)
-        logps = self._captured_logps
-        self._captured_logps = None
         per_token_kl = kl_estimate(logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
         if self.args.use_bias_correction_kl:  # as TRL does for its k3 term: weight by the (differentiable) IS ratio
             old = inputs.get("old_per_token_logps")
@@ -256,21 +399,71 @@ class VariantTrainer(GRPOTrainer):
                 log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
             per_token_kl = per_token_kl * torch.exp(log_ratio)
         mode = "train" if self.model.training else "eval"
-        value = aggregate_token_loss(
-            per_token_kl,
-            mask,
-            self.loss_type,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            num_processes=self.accelerator.num_processes,
-            grad_accum=self.current_gradient_accumulation_steps if mode == "train" else 1,
-            steps_per_generation=self.args.steps_per_generation if mode == "train" else 1,
-            max_completion_length=self.max_completion_length,
-        )
-        stats = self.accelerator.reduce(
-            torch.stack([(per_token_kl.detach() * mask).sum(), mask.sum().float()]), reduction="sum"
-        )
-        self._metrics[mode]["kl"].append((stats[0] / stats[1].clamp(min=1.0)).item())
+        value = self._aggregate(inputs, per_token_kl, mask)
+        self._metrics[mode]["kl"].append(self._global_mean(per_token_kl, mask))
         return value
+
+    def _dual_clip_correction(self, inputs, logps) -> torch.Tensor:
+        """Dual-clip (arXiv 1912.09729) on top of TRL's PPO-clip loss: `aggregate(loss_dual - loss_standard)`.
+
+        TRL's policy loss stays the source of truth (its loss types, vLLM importance-sampling correction, entropy
+        bonus, metrics); dual-clip only changes the loss of tokens with A < 0 and r > c, from `-A r` to the constant
+        `-A c`, so the difference of the two `losses.ppo_clip_policy_loss` on the same log-probs is non-zero only on
+        those tokens, where it cancels the gradient. The combinations in which TRL reweights the per-token loss in
+        ways this would have to mirror are refused by the config (`VariantConfig._check_dual_clip`).
+        """
+        mode = "train" if self.model.training else "eval"
+        mask = selection.loss_mask(inputs)
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+        advantages = inputs["advantages"]
+        if advantages.dim() == 1:
+            advantages = advantages.unsqueeze(1)
+        eps = (self.epsilon_low, self.epsilon_high)
+        dual, masks = ppo_clip_policy_loss(logps, old, advantages, *eps, clip_ratio_c=self.args.clip_ratio_c)
+        standard, _ = ppo_clip_policy_loss(logps, old, advantages, *eps)
+        correction = dual - standard  # non-zero only where dual-clip bites
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            correction = correction * inputs["importance_sampling_ratio"]
+        self._metrics[mode]["clip_ratio/dual_mean"].append(self._global_mean(masks["dual"].float(), mask))
+        return self._aggregate(inputs, correction, mask)
+
+    # -------------------------------------------------------------------------------------------- token normaliser
+    def step_token_counts(self, inputs: dict) -> dict[str, torch.Tensor]:
+        """The token counts (local, 0-dim) of one micro-batch that normalise token-level terms, by the key of the
+        inputs that carries their total (`num_items_in_batch`: the loss tokens; VAPO adds its correct-completion
+        tokens)."""
+        return {"num_items_in_batch": selection.loss_mask(inputs).sum()}
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if not self.model.training or self.args.token_level_normalizer != "optimizer_step":
+            return inputs
+        spg = self.args.steps_per_generation
+        accum = self.current_gradient_accumulation_steps
+        if spg == accum or (spg * self.num_iterations) % accum != 0:
+            # eval, TRL's normaliser, or a generation batch that is exactly one optimizer step (TRL's count is then
+            # already the step's); a misaligned layout is refused by the config for the losses that read the count
+            return inputs
+        return {**inputs, **self._step_normalizers(spg, accum)}
+
+    def _step_normalizers(self, spg: int, accum: int) -> dict[str, torch.Tensor]:
+        """For the micro-batch about to be trained: each `step_token_counts` key set to its total over the optimizer
+        step this micro-batch belongs to (its accumulation micro-batches, all processes), times `spg / accum`, which
+        TRL's and `aggregate_token_loss`'s "dapo" normaliser (`total / processes * accum / spg`) divide back out."""
+        if self._counted_buffer is not self._buffered_inputs:  # a new (or restored) generation batch: count it once
+            counts = [self.step_token_counts(part) for part in self._buffered_inputs]
+            keys = list(counts[0])
+            local = torch.stack([torch.stack([c[k].float() for k in keys]) for c in counts])  # (spg, K)
+            self._step_counts = (keys, self.accelerator.reduce(local, reduction="sum"))
+            self._counted_buffer = self._buffered_inputs
+        keys, totals = self._step_counts
+        # optimizer steps start at micro-batches that are multiples of `accum` (the config makes `accum` divide the
+        # generation block), and micro-batch m trains slice m % spg of the buffer
+        first = self._step - self._step % accum
+        slices = torch.tensor([(first + j) % spg for j in range(accum)], device=totals.device)
+        step_totals = totals[slices].sum(dim=0) * (spg / accum)
+        return {key: step_totals[i] for i, key in enumerate(keys)}
 
     def reference_kl(self, output: dict) -> torch.Tensor | None:
         """Per-token KL(pi_old || ref) with `kl_in_reward_estimator`, for KL-in-reward estimators. Local (B, T).
@@ -311,6 +504,10 @@ class VariantTrainer(GRPOTrainer):
         num_local = output["prompt_ids"].shape[0]
         num_logged = rewards_per_func.shape[0]
 
+        if group_size == 1:
+            # TRL logs the share of groups whose rewards have zero std: 1.0 for groups of one, which says nothing
+            # (`reward_std`, the std over the whole batch, stays)
+            self._metrics[mode].pop("frac_reward_zero_std", None)
         keep = self.select_rows(rewards_per_func, group_size, inputs)
         kl = self.reference_kl(output)
         if kl is not None:
@@ -327,7 +524,9 @@ class VariantTrainer(GRPOTrainer):
             group_size = self.kept_group_size(group_size)
 
         rewards = self.total_rewards(rewards_per_func)
+        self.advantage_rewards_per_func = rewards_per_func
         advantages = self.compute_advantages(rewards, global_batch, group_size)
+        self.advantage_rewards_per_func = None
         if not torch.isfinite(advantages).all():  # the estimators promise this; a broken subclass must not train
             raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
 

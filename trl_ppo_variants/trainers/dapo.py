@@ -12,7 +12,6 @@ from trl import GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 
 from .. import selection
-from ..advantages import grpo_advantages
 from .base import VariantConfig, VariantTrainer, check
 
 OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"  # the __name__ of TRL's soft overlong punishment
@@ -32,7 +31,12 @@ class DAPOConfig(VariantConfig):
         beta (`float`, *optional*, defaults to `0.0`):
             KL loss coefficient; DAPO removes the KL term.
         loss_type (`str`, *optional*, defaults to `"dapo"`):
-            Token-level policy-gradient loss (Eq. 12): sum over every token of the batch / number of tokens.
+            Token-level policy-gradient loss (Eq. 12): sum over every token of the batch / number of tokens. With
+            several optimizer steps per rollout (`steps_per_generation > gradient_accumulation_steps`, the paper's
+            16 updates), each step is divided by its own tokens (`token_level_normalizer="optimizer_step"`).
+        multi_objective_aggregation (`str`, *optional*, defaults to `"sum_then_normalize"`):
+            As in [`~trl.GRPOConfig`]; `"normalize_then_sum"` (GDPO) normalises each reward function within its group
+            (the overlong shaping term included), sums them with `reward_weights` and normalises over the batch.
         dynamic_sampling (`bool`, *optional*, defaults to `True`):
             Drop the groups whose `filter_metric` has no spread (all completions equally right or wrong) and refill
             the batch with groups of fresh prompts until it holds as many groups as a generation batch
@@ -85,6 +89,8 @@ class DAPOConfig(VariantConfig):
     overlong_cache_length: int | None = field(
         default=None, metadata={"help": "L_cache in tokens; None = 20% of max_completion_length."}
     )
+
+    multi_objective_aggregations = ("sum_then_normalize", "normalize_then_sum")
 
     def __post_init__(self):
         super().__post_init__()
@@ -370,7 +376,7 @@ class DAPOTrainer(VariantTrainer):
 
     # -------------------------------------------------------------------------------------------- advantages
     def compute_advantages(self, rewards, batch, group_size):
-        return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
+        return self.grpo_group_advantages(rewards, group_size)
 
     def filter_values(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """The dynamic-sampling filter metric per row: (N, F) -> (N,), NaN where unscorable."""
@@ -443,7 +449,9 @@ class DAPOTrainer(VariantTrainer):
         rewards = self.total_rewards(rewards_per_func)
         advantages = torch.zeros_like(rewards)
         if real_rows:  # placeholder groups of the exhaustion path stay at 0 and never enter the statistics
+            self.advantage_rewards_per_func = rewards_per_func[:real_rows]
             advantages[:real_rows] = self.compute_advantages(rewards[:real_rows], None, G)
+            self.advantage_rewards_per_func = None
         if not torch.isfinite(advantages).all():
             raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
         # trained (real-row) loss tokens, for the generated/trained ratio; placeholder rows have no signal

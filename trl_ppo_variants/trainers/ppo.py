@@ -8,19 +8,27 @@ On top of `GRPOTrainer`'s generation, rewards, vLLM and PEFT:
   are the outcome at the last valid token minus `kl_in_reward_coef * k1` at every token (base's `reference_kl`);
   GAE (`advantages.gae`) gives advantages and returns; advantages are whitened over the valid tokens of the whole
   generation batch, across processes (`needs_global_batch`); returns travel in the batch ("returns", "value_mask");
-- loss: `GRPOTrainer`'s PPO-clip policy loss (Clip-Higher through `epsilon_high`) plus, when `clip_ratio_c` is set,
-  the dual-clip correction (below), plus `vf_coef` times the clipped value loss, reduced over the valid tokens the way
-  `loss_type` reduces the policy loss (`losses.aggregate_token_loss`).
-
-Dual-clip. TRL's policy loss stays the source of truth (its loss types, vLLM importance-sampling correction, entropy
-bonus, metrics); dual-clip only changes the loss of tokens with A < 0 and r > c, from `-A r` to the constant `-A c`.
-So the trainer adds `aggregate(loss_dual - loss_standard)`, both from `losses.ppo_clip_policy_loss` on the captured
-log-probs of the same forward pass: non-zero only on those tokens, where it cancels the gradient. Combinations in which
-TRL reweights the per-token loss in ways this correction would have to mirror (sequence-level ratios, `delta`, the
-entropy mask, the off-policy mask) are refused at construction.
+- loss: `GRPOTrainer`'s PPO-clip policy loss (Clip-Higher through `epsilon_high`; dual-clip through `clip_ratio_c`,
+  shared by every trainer in `base.py`), plus `vf_coef` times the clipped value loss, reduced over the valid tokens the
+  way `loss_type` reduces the policy loss (`losses.aggregate_token_loss`).
 
 Optimizer. One optimizer, param groups split by owner: the critic's groups get `critic_learning_rate`; gradient
 clipping (`max_grad_norm`) acts on the joint norm, which `vf_coef` keeps from being dominated by the critic.
+
+Critic warm-up (`critic_warmup_steps`; VAPO's value pre-training is the same mechanism under its paper's name). The
+first optimizer steps train only the critic, on samples of the frozen initial policy (OpenRLHF `freezing_steps`,
+NeMo-RL `policy_training_start_step`, ROLL `critic_warmup`). Policy and critic share one optimizer, so "not updated" is
+enforced four ways: the policy part of the loss is multiplied by 0 (its gradients are exactly zero: the forward still
+runs, because DDP and ZeRO expect a gradient for every parameter), the policy's learning rate is 0, its param groups
+get weight decay 0 (AdamW's decoupled decay would shrink the weights even with zero gradients), and when the warm-up
+ends the policy's optimizer state is reset (Adam's step counter would otherwise have advanced through the warm-up,
+damping the first real updates through its bias correction). The phase is `global_step < critic_warmup_steps`, so it
+survives checkpoint/resume with the `TrainerState`.
+
+Learning-rate schedules with a warm-up. The policy's schedule (`lr_scheduler_type`, `warmup_steps`, decay) starts
+when the critic warm-up ends and spans the remaining `max_steps - critic_warmup_steps` steps, as if the policy's
+training started then (its first step has the rate the schedule gives step 0, e.g. no decay yet); the critic keeps the
+plain schedule over all steps, from step 0. Without a critic warm-up the scheduler is transformers' own.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from accelerate.utils import is_peft_model
@@ -48,15 +57,15 @@ from ..critic import (
     skip_critic_params,
     split_critic_state_dict,
 )
-from ..losses import aggregate_token_loss, clipped_value_loss, ppo_clip_policy_loss
+from ..losses import clipped_value_loss
 from .base import VariantConfig, VariantTrainer, check
 
 #: key of the optimizer param groups saying whose parameters they hold ("policy" or "critic")
 GROUP_ROLE = "trl_ppo_variants_role"
 #: the weight decay the group was created with (the live value is switched off while the policy is frozen)
 GROUP_WEIGHT_DECAY = "trl_ppo_variants_weight_decay"
-
-DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+#: `lr_scheduler_type`s that are not a `LambdaLR` (their rate depends on metrics): no shifted policy schedule
+UNSHIFTABLE_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 
 
 @dataclass
@@ -84,9 +93,11 @@ class PPOConfig(VariantConfig):
             Discount of GAE.
         lam (`float`, *optional*, defaults to `0.95`):
             Lambda of GAE (for both the advantages and the value targets).
-        clip_ratio_c (`float` or `None`, *optional*, defaults to `None`):
-            Dual-clip bound (> 1; arXiv 1912.09729, 3.0 in verl): for negative advantages the loss is capped at
-            `-A * clip_ratio_c`. `None` disables it.
+        critic_warmup_steps (`int`, *optional*, defaults to `0`):
+            Optimizer steps at the start during which only the critic learns (the policy is frozen and its
+            learning-rate schedule starts after them; see the module docstring). Must be smaller than `max_steps`;
+            refused with `lr_scheduler_type` `"reduce_lr_on_plateau"` or `"greedy"` (their rate is not a function of
+            the step, so it cannot be shifted). Resumable.
         save_value_model (`bool`, *optional*, defaults to `True`):
             When exporting (`trainer.save_model()`), save the critic to `<output_dir>/value_model`. The exported
             policy never holds the critic's weights. Checkpoints always hold the critic.
@@ -106,8 +117,8 @@ class PPOConfig(VariantConfig):
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value around the old value."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
     lam: float = field(default=0.95, metadata={"help": "Lambda of GAE."})
-    clip_ratio_c: float | None = field(
-        default=None, metadata={"help": "Dual-clip bound (> 1) for negative advantages; None disables it."}
+    critic_warmup_steps: int = field(
+        default=0, metadata={"help": "Optimizer steps at the start that train only the critic (0 disables)."}
     )
     save_value_model: bool = field(
         default=True, metadata={"help": "Save the critic to <output_dir>/value_model when exporting."}
@@ -132,17 +143,19 @@ class PPOConfig(VariantConfig):
         if self.critic_learning_rate is not None:
             check(self.critic_learning_rate >= 0, "critic_learning_rate", "a number >= 0 or None",
                   self.critic_learning_rate)
-        if self.clip_ratio_c is not None:
-            check(self.clip_ratio_c > 1.0, "clip_ratio_c", "a number > 1 or None", self.clip_ratio_c)
-            check(self.loss_type in DUAL_CLIP_LOSS_TYPES, "loss_type",
-                  f"one of {DUAL_CLIP_LOSS_TYPES} with clip_ratio_c (the PPO-clip losses)", self.loss_type)
-            check(self.importance_sampling_level == "token", "importance_sampling_level",
-                  "'token' with clip_ratio_c (dual-clip is per token)", self.importance_sampling_level)
-            check(self.delta is None, "delta", "None with clip_ratio_c (both cap the ratio; pick one)", self.delta)
-            check(self.top_entropy_quantile == 1.0, "top_entropy_quantile", "1.0 with clip_ratio_c",
-                  self.top_entropy_quantile)
-            check(self.off_policy_mask_threshold is None, "off_policy_mask_threshold", "None with clip_ratio_c",
-                  self.off_policy_mask_threshold)
+        name = self.warmup_field
+        steps = self.critic_warmup_steps
+        check(isinstance(steps, int) and steps >= 0, name, "an integer >= 0", steps)
+        if self.max_steps > 0 and steps >= self.max_steps:
+            check(False, name, f"fewer than max_steps={self.max_steps} (the policy would never be trained)", steps)
+        if steps > 0:
+            scheduler = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)
+            check(scheduler not in UNSHIFTABLE_SCHEDULERS, "lr_scheduler_type",
+                  f"a step-based schedule (not {UNSHIFTABLE_SCHEDULERS}) with {name} > 0 (the policy's schedule "
+                  "starts when the critic warm-up ends)", scheduler)
+
+    #: the name under which the user sets `critic_warmup_steps` (VAPO: `value_pretrain_steps`), for error messages
+    warmup_field: ClassVar[str] = "critic_warmup_steps"
 
     @property
     def effective_critic_learning_rate(self) -> float:
@@ -153,18 +166,21 @@ class PPOTrainer(VariantTrainer):
     """PPO with a critic on top of TRL's `GRPOTrainer` (see the module docstring for the design).
 
     Logged: `value/loss`, `value/clip_frac`, `value/explained_variance` (of the rollout-time values against the
-    returns), `value/mean`, `value/return_mean`, `approx_kl` (`0.5 (log r)^2`), TRL's `clip_ratio/low_mean`,
-    `clip_ratio/high_mean` and, with dual-clip, `clip_ratio/dual_mean`.
+    returns), `value/mean`, `value/return_mean`, `value/learning_rate` (the critic's; transformers' `learning_rate` is
+    the policy's), `approx_kl` (`0.5 (log r)^2`), TRL's `clip_ratio/low_mean`, `clip_ratio/high_mean`, with dual-clip
+    `clip_ratio/dual_mean`, and with a critic warm-up `critic_warmup` (1 while the policy is frozen; VAPO:
+    `value_pretraining`).
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "ppo"]
     needs_global_batch = True
+    captures_policy_logps = True
     config_class = PPOConfig
+    #: the logged name of the warm-up flag
+    warmup_metric = "critic_warmup"
 
     def __init__(self, model, reward_funcs, args: PPOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
-        self._capture_policy_logps = False
-        self._policy_logps = None
         self._exporting = False
         self._pushing = False
         self._targets = None
@@ -227,6 +243,78 @@ class PPOTrainer(VariantTrainer):
 
     def _policy_param_groups(self):
         return [g for g in self.optimizer.param_groups if g.get(GROUP_ROLE) == "policy"]
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """transformers' scheduler, except with a critic warm-up: then one `LambdaLR` with a rate per param group, the
+        policy's schedule shifted to start when the warm-up ends (0 before), the critic's the plain one."""
+        warmup = self.args.critic_warmup_steps
+        if warmup == 0 or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        optimizer = self.optimizer if optimizer is None else optimizer
+        critic_rate = self._schedule_lambda(num_training_steps)
+        policy_rate = self._schedule_lambda(max(num_training_steps - warmup, 1))
+
+        def shifted(step):
+            return 0.0 if step < warmup else policy_rate(step - warmup)
+
+        rates = [critic_rate if g.get(GROUP_ROLE) == "critic" else shifted for g in optimizer.param_groups]
+        self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rates)
+        self._created_lr_scheduler = True
+        return self.lr_scheduler
+
+    def _schedule_lambda(self, num_training_steps: int):
+        """The rate multiplier (a function of the step) of transformers' `lr_scheduler_type` over
+        `num_training_steps` steps with `warmup_steps` resolved against them, read off a scheduler built on a
+        throwaway optimizer (schedules such as "polynomial" read the base rate from `optimizer.defaults`)."""
+        from transformers.optimization import get_scheduler
+
+        probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=self.args.learning_rate)
+        scheduler = get_scheduler(
+            self.args.lr_scheduler_type,
+            optimizer=probe,
+            num_warmup_steps=self.args.get_warmup_steps(num_training_steps),
+            num_training_steps=num_training_steps,
+            scheduler_specific_kwargs=self.args.lr_scheduler_kwargs,
+        )
+        return scheduler.lr_lambdas[0]
+
+    # -------------------------------------------------------------------------------------------- critic warm-up
+    def in_critic_warmup(self) -> bool:
+        """True during the first `critic_warmup_steps` optimizer steps (read from the resumable TrainerState)."""
+        return self.state.global_step < self.args.critic_warmup_steps
+
+    def policy_loss_scale(self) -> float:
+        """Multiplier of the whole policy part of the loss: 0 during the critic warm-up."""
+        return 0.0 if self.in_critic_warmup() else 1.0
+
+    def _hold_policy(self, frozen: bool) -> None:
+        """Switch the policy's weight decay off while it is frozen; reset its optimizer state when the warm-up ends.
+
+        Stateless (decided from `global_step`) so that resuming anywhere does the right thing: the reset happens at
+        `global_step == critic_warmup_steps` (idempotent within the accumulation window: no step has run yet).
+        """
+        if self.optimizer is None:
+            return
+        for group in self.optimizer.param_groups:
+            if group.get(GROUP_ROLE) == "policy":
+                group["weight_decay"] = 0.0 if frozen else group.get(GROUP_WEIGHT_DECAY, group["weight_decay"])
+        end = self.args.critic_warmup_steps
+        if not frozen and end > 0 and self.state.global_step == end:
+            self._reset_policy_optimizer_state()
+
+    def _reset_policy_optimizer_state(self) -> int:
+        """Drop the optimizer state of the policy's parameters; returns how many state entries were dropped."""
+        inner = _innermost_optimizer(self.optimizer)
+        policy_groups = {i for i, g in enumerate(inner.param_groups) if g.get(GROUP_ROLE) == "policy"}
+        zero3 = self.optimizer
+        while zero3 is not None and not hasattr(zero3, "sub_group_to_group_id"):
+            zero3 = getattr(zero3, "optimizer", None)
+        if zero3 is not None:  # ZeRO-3 keys the state by flat fp32 sub-group partitions
+            tensors = [zero3.fp32_partitioned_groups_flat[sub] for sub, gid in zero3.sub_group_to_group_id.items()
+                       if gid in policy_groups]
+        else:  # torch optimizers, and ZeRO-1/2 (one flat partition per group)
+            tensors = [p for i in policy_groups for p in inner.param_groups[i]["params"]]
+        return sum(inner.state.pop(tensor, None) is not None for tensor in tensors)
 
     # -------------------------------------------------------------------------------------------- rollout
     @torch.no_grad()
@@ -294,66 +382,28 @@ class PPOTrainer(VariantTrainer):
         return output
 
     # -------------------------------------------------------------------------------------------- loss
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
-        if self._capture_policy_logps:  # the loss's forward pass: log-probs with grad for dual-clip / NLL / metrics
-            self._policy_logps = result[0]
-        return result
-
-    def policy_loss_scale(self) -> float:
-        """Multiplier of the whole policy part of the loss (VAPO: 0 during value pre-training)."""
-        return 1.0
-
     def extra_policy_loss(self, logps, inputs, mask, aggregate) -> torch.Tensor | None:
         """A term added to the policy loss (VAPO: the positive-example NLL), or None."""
         return None
 
-    def _aggregate(self, inputs, per_token, mask, loss_type=None, num_items_in_batch=None):
-        training = self.model.training
-        return aggregate_token_loss(
-            per_token,
-            mask,
-            loss_type or self.loss_type,
-            num_items_in_batch=inputs["num_items_in_batch"] if num_items_in_batch is None else num_items_in_batch,
-            num_processes=self.accelerator.num_processes,
-            grad_accum=self.current_gradient_accumulation_steps if training else 1,
-            steps_per_generation=self.args.steps_per_generation if training else 1,
-            max_completion_length=self.max_completion_length,
-        )
-
-    def _global_mean(self, x: torch.Tensor, mask: torch.Tensor) -> float:
-        m = mask.to(torch.float32)
-        stats = self.accelerator.reduce(torch.stack([(x.detach().float() * m).sum(), m.sum()]), reduction="sum")
-        return (stats[0] / stats[1].clamp(min=1.0)).item()
-
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
-        self._capture_policy_logps = True
-        try:
-            policy_loss = super()._compute_loss(model, inputs)
-        finally:
-            self._capture_policy_logps = False
-        logps, self._policy_logps = self._policy_logps, None
+        if mode == "train":
+            frozen = self.in_critic_warmup()
+            self._hold_policy(frozen)
+            if self.args.critic_warmup_steps > 0:
+                self._metrics["train"][self.warmup_metric].append(float(frozen))
+            groups = self.optimizer.param_groups if self.optimizer is not None else []
+            critic_lrs = [g["lr"] for g in groups if g.get(GROUP_ROLE) == "critic"]
+            if critic_lrs:
+                self._metrics["train"]["value/learning_rate"].append(critic_lrs[0])
+        policy_loss = super()._compute_loss(model, inputs)  # TRL's loss, our KL term and dual-clip (base)
+        logps, self._loss_logps = self._loss_logps, None
 
         mask = selection.loss_mask(inputs)
         aggregate = functools.partial(self._aggregate, inputs)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
-        advantages = inputs["advantages"]
-        if advantages.dim() == 1:
-            advantages = advantages.unsqueeze(1)
-
-        if self.args.clip_ratio_c is not None:
-            eps = (self.epsilon_low, self.epsilon_high)
-            dual, masks = ppo_clip_policy_loss(logps, old, advantages, *eps, clip_ratio_c=self.args.clip_ratio_c)
-            standard, _ = ppo_clip_policy_loss(logps, old, advantages, *eps)
-            correction = dual - standard  # non-zero only where dual-clip bites
-            if self.use_vllm and self.vllm_importance_sampling_correction:
-                correction = correction * inputs["importance_sampling_ratio"]
-            policy_loss = policy_loss + aggregate(correction, mask)
-            self._metrics[mode]["clip_ratio/dual_mean"].append(self._global_mean(masks["dual"].float(), mask))
         extra = self.extra_policy_loss(logps, inputs, mask, aggregate)
         if extra is not None:
             policy_loss = policy_loss + extra

@@ -29,6 +29,11 @@ class ReinforcePPConfig(VariantConfig):
     is `GRPOTrainer`'s PPO-clip loss; the default `loss_type="dapo"` is the token-level mean over the generation
     batch, as the paper. `scale_rewards` (GRPO's) is not used: both variants whiten over the batch's tokens.
 
+    Samples per prompt: the paper's REINFORCE++ samples ONE response per prompt (its baseline is the whitening over
+    the batch, no group), so `num_generations=1` is accepted when `baseline=False` (TRL's `GRPOConfig` refuses it);
+    REINFORCE++-baseline subtracts the group mean and needs `num_generations >= 2`. TRL's `frac_reward_zero_std` is
+    not logged for groups of one (it would always be 1); `reward_std` is the std over the batch.
+
     Parameters:
         baseline (`bool`, *optional*, defaults to `False`):
             `False`: REINFORCE++ (Eq. 4-6), per-token discounted returns of the KL-penalised reward, whitened over
@@ -68,6 +73,11 @@ class ReinforcePPConfig(VariantConfig):
     use_bias_correction_kl: bool = field(
         default=False, metadata={"help": "Weight the KL loss by the importance ratio (the paper does not)."}
     )
+
+    def min_num_generations(self):
+        if self.baseline:
+            return super().min_num_generations()
+        return 1, "REINFORCE++ needs no group: its baseline is the batch whitening"
 
     def __post_init__(self):
         if self.kl_in_reward_coef is None:

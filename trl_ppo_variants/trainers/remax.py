@@ -22,14 +22,22 @@ class ReMaxConfig(VariantConfig):
     r"""
     Configuration for [`ReMaxTrainer`]: [`~trl.GRPOConfig`] unchanged; ReMax has no hyper-parameter of its own.
 
-    `num_generations` (G) sampled completions per prompt are trained on (the paper uses G = 1; any G >= 2 works and
-    every sample of a prompt shares the same baseline). `beta` is TRL's k3 KL loss term; `kl_in_reward_coef`
-    (inherited) subtracts a summed per-token KL from the *sampled* completions' rewards only: the baseline stays the
-    greedy completion's task reward (still unbiased: it does not depend on the sample).
+    `num_generations` (G) sampled completions per prompt are trained on, each against the reward of the prompt's one
+    greedy completion. The paper's setting is G = 1 (Algorithm 1: one sample plus the greedy one per prompt), which is
+    accepted here (TRL's `GRPOConfig` refuses it) and costs about 2x a sampled generation of the same prompts; any
+    G >= 2 works too (~(1 + 1/G)x), every sample of a prompt sharing the baseline. With G = 1, TRL's
+    `frac_reward_zero_std` is not logged (a group of one has no spread); `reward_std` is the std over the batch.
+
+    `beta` is TRL's k3 KL loss term; `kl_in_reward_coef` (inherited) subtracts a summed per-token KL from the *sampled*
+    completions' rewards only: the baseline stays the greedy completion's task reward (still unbiased: it does not
+    depend on the sample).
 
     Backends: `transformers` generation (default) and vLLM (`use_vllm`, server or colocate) are supported;
     `use_transformers_continuous_batching` is not (a `ValueError` names the field).
     """
+
+    def min_num_generations(self):
+        return 1, "ReMax's baseline is the greedy completion, not the group"
 
     def __post_init__(self):
         super().__post_init__()

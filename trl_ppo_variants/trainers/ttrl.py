@@ -14,7 +14,6 @@ import torch
 from accelerate.utils import gather_object
 
 from .. import rewards as R
-from ..advantages import grpo_advantages
 from .base import VariantConfig, VariantTrainer, check
 
 TRAIN_SUBSETS = ("first", "random")
@@ -52,6 +51,14 @@ class TTRLConfig(VariantConfig):
             When two answers vote together (and match the ground truth in the metrics): `"normalized"` (equal after
             `rewards.normalize_answer`) or `"math_verify"` (also merge symbolically equal answers with the optional
             `math-verify` package, run in a killable worker with a hard timeout).
+        kl_in_reward_coef (`float`, *optional*, defaults to `0.0`):
+            As in every config of the package: the summed per-token KL to the reference (`kl_in_reward_estimator`,
+            k1 by default) times this coefficient is subtracted from each trained completion's reward (the vote plus
+            any extra reward) before the GRPO advantage, as ReMax does. Refused with
+            `multi_objective_aggregation="normalize_then_sum"`.
+        multi_objective_aggregation (`str`, *optional*, defaults to `"sum_then_normalize"`):
+            As in [`~trl.GRPOConfig`]; `"normalize_then_sum"` (GDPO) normalises the vote and each extra reward within
+            the trained group, sums them with `reward_weights` and normalises over the batch.
     """
 
     n_votes: int | None = field(
@@ -74,6 +81,8 @@ class TTRLConfig(VariantConfig):
         default="normalized", metadata={"help": "Answer equivalence: 'normalized' or 'math_verify'."}
     )
 
+    multi_objective_aggregations = ("sum_then_normalize", "normalize_then_sum")
+
     def __post_init__(self):
         if self.n_votes is not None:
             check(isinstance(self.n_votes, int) and self.n_votes >= 2, "n_votes", "an integer >= 2", self.n_votes)
@@ -95,9 +104,10 @@ class TTRLConfig(VariantConfig):
         except (ImportError, AttributeError, ValueError) as e:
             raise ValueError(f"answer_extractor: expected {list(R.EXTRACTORS)} or an importable 'module:function', "
                              f"got {self.answer_extractor!r} ({type(e).__name__})") from None
-        check(self.multi_objective_aggregation == "sum_then_normalize", "multi_objective_aggregation",
-              "'sum_then_normalize' (TTRL sums the vote and any other reward before its GRPO advantage)",
-              self.multi_objective_aggregation)
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            check(self.kl_in_reward_coef == 0, "kl_in_reward_coef",
+                  "0 with multi_objective_aggregation='normalize_then_sum' (the KL is subtracted from the summed "
+                  "reward, which GDPO never forms; use beta for a KL loss term)", self.kl_in_reward_coef)
         step = self.n_votes // math.gcd(self.n_votes, self.n_train)
         check(self.per_device_train_batch_size % step == 0, "per_device_train_batch_size",
               f"a multiple of {step} so that its n_train/n_votes = {self.n_train}/{self.n_votes} share (the rows "
@@ -235,4 +245,6 @@ class TTRLTrainer(VariantTrainer):
         return self.n_train if self.model.training else group_size
 
     def compute_advantages(self, rewards, batch, group_size):
-        return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
+        if batch is not None and "kl_in_reward" in batch:  # KL-penalised reward, as ReMax and RLOO
+            rewards = rewards - self.kl_in_reward_coef * batch["kl_in_reward"].sum(dim=1)
+        return self.grpo_group_advantages(rewards, group_size)

@@ -13,26 +13,24 @@ PPO (see `ppo.py`) plus the paper's seven modifications, each switchable by conf
 7. Group sampling (Sec. 4.2): `num_generations` completions per prompt (paper: 512 prompts x 16; the default stays
    TRL's 8 so that the default batch of 8 per device holds whole groups; the recipe sets 16).
 
-How the policy is held still during value pre-training. Policy and critic share one optimizer (see `critic.py`), so
-"not updated" is enforced three ways: the policy part of the loss is multiplied by 0 (its gradients are exactly zero:
-the forward still runs, because DDP and ZeRO expect a gradient for every parameter), the policy's param groups get
-weight decay 0 (AdamW's decoupled decay would shrink the weights even with zero gradients), and when pre-training ends
-the policy's optimizer state is reset (Adam's step counter would otherwise have advanced through the pre-training
-steps, damping the first real updates through its bias correction); zero gradients leave Adam's moments at zero.
-The pre-training phase is `global_step < value_pretrain_steps`, so it survives checkpoint/resume with the
+Value pre-training is PPO's critic warm-up (`PPOConfig.critic_warmup_steps`, see `ppo.py` for how the policy is held
+still, its optimizer state reset and its learning-rate schedule started when the warm-up ends); `value_pretrain_steps`
+is its name here. The phase is `global_step < value_pretrain_steps`, so it survives checkpoint/resume with the
 `TrainerState`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
 from ..advantages import length_adaptive_lambda
+from .. import selection
 from ..losses import positive_example_nll
 from .base import check
-from .ppo import GROUP_ROLE, GROUP_WEIGHT_DECAY, PPOConfig, PPOTrainer, _innermost_optimizer
+from .ppo import PPOConfig, PPOTrainer
 
 
 @dataclass
@@ -41,8 +39,9 @@ class VAPOConfig(PPOConfig):
     Configuration for [`VAPOTrainer`]: [`PPOConfig`] with VAPO's fields (arXiv 2504.05118) and its defaults.
 
     Paper settings (Sec. 5.1): AdamW, actor lr 1e-6 (`learning_rate`, TRL's default), critic lr 2e-6, warm-up then
-    constant schedule, 512 prompts x 16 samples per rollout, mini-batch 512, value pre-training 50 steps,
-    `lam_critic=1.0`, `alpha=0.05`, `mu=0.1`, clip 0.2 / 0.28, token-level loss.
+    constant schedule (set `lr_scheduler_type="constant_with_warmup"`; the policy's schedule starts when value
+    pre-training ends, the critic's at step 0), 512 prompts x 16 samples per rollout, mini-batch 512, value
+    pre-training 50 steps, `lam_critic=1.0`, `alpha=0.05`, `mu=0.1`, clip 0.2 / 0.28, token-level loss.
 
     Choices where the paper is silent:
     - KL: `kl_in_reward_coef=0.0` and `beta=0.0`. VAPO names no KL term or coefficient; it builds on DAPO (same
@@ -63,7 +62,11 @@ class VAPOConfig(PPOConfig):
 
     Parameters:
         value_pretrain_steps (`int`, *optional*, defaults to `50`):
-            Optimizer steps at the start during which only the critic learns (0 disables value pre-training).
+            Optimizer steps at the start during which only the critic learns (0 disables value pre-training): PPO's
+            `critic_warmup_steps` under the paper's name. The policy's learning-rate schedule (warm-up, decay) starts
+            when it ends; the critic's runs from step 0. Must be smaller than `max_steps`. Resumable.
+        critic_warmup_steps (`int` or `None`, *optional*, defaults to `None`):
+            The same setting under PPO's name: leave it unset, or equal to `value_pretrain_steps`.
         lam_critic (`float`, *optional*, defaults to `1.0`):
             GAE lambda of the critic's targets (1.0: Monte-Carlo returns, unbiased).
         lam_policy (`float`, *optional*, defaults to `0.95`):
@@ -103,6 +106,9 @@ class VAPOConfig(PPOConfig):
         default=None,
         metadata={"help": "Reward function whose reward decides correctness; None: the weighted total reward."},
     )
+    critic_warmup_steps: int | None = field(
+        default=None, metadata={"help": "PPO's name of value_pretrain_steps: leave unset (or equal)."}
+    )
     # defaults that differ from PPOConfig
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Clip-Higher upper bound (VAPO: 0.28)."})
     loss_type: str = field(default="dapo", metadata={"help": "Token-level policy loss (VAPO: 'dapo')."})
@@ -111,19 +117,23 @@ class VAPOConfig(PPOConfig):
         default=0.0, metadata={"help": "KL-in-reward coefficient (VAPO names none: 0, as DAPO)."}
     )
 
+    warmup_field: ClassVar[str] = "value_pretrain_steps"
+
+    def uses_token_level_normalizer(self) -> bool:
+        return super().uses_token_level_normalizer() or self.positive_lm_coef > 0  # the NLL is a token mean
+
     def __post_init__(self):
+        check(self.critic_warmup_steps in (None, self.value_pretrain_steps), "critic_warmup_steps",
+              f"None or value_pretrain_steps={self.value_pretrain_steps} (VAPO's name for it)",
+              self.critic_warmup_steps)
+        self.critic_warmup_steps = self.value_pretrain_steps
         super().__post_init__()
-        check(isinstance(self.value_pretrain_steps, int) and self.value_pretrain_steps >= 0, "value_pretrain_steps",
-              "an integer >= 0", self.value_pretrain_steps)
         check(0.0 <= self.lam_critic <= 1.0, "lam_critic", "a number in [0, 1]", self.lam_critic)
         check(0.0 <= self.lam_policy <= 1.0, "lam_policy", "a number in [0, 1]", self.lam_policy)
         if self.length_adaptive_alpha is not None:
             check(self.length_adaptive_alpha > 0, "length_adaptive_alpha", "a number > 0 or None",
                   self.length_adaptive_alpha)
         check(self.positive_lm_coef >= 0, "positive_lm_coef", "a number >= 0", self.positive_lm_coef)
-        if self.max_steps > 0 and self.value_pretrain_steps >= self.max_steps:
-            check(False, "value_pretrain_steps", f"fewer than max_steps={self.max_steps} (the policy would never be "
-                  "trained)", self.value_pretrain_steps)
 
 
 class VAPOTrainer(PPOTrainer):
@@ -135,6 +145,7 @@ class VAPOTrainer(PPOTrainer):
 
     _tag_names = ["trl", "trl-ppo-variants", "vapo"]
     config_class = VAPOConfig
+    warmup_metric = "value_pretraining"
 
     def __init__(self, model, reward_funcs, args: VAPOConfig | None = None, **kwargs):
         super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -144,47 +155,15 @@ class VAPOTrainer(PPOTrainer):
 
     # -------------------------------------------------------------------------------------------- value pre-training
     def in_value_pretraining(self) -> bool:
-        """True during the first `value_pretrain_steps` optimizer steps (read from the resumable TrainerState)."""
-        return self.state.global_step < self.args.value_pretrain_steps
+        """True during the first `value_pretrain_steps` optimizer steps (PPO's critic warm-up)."""
+        return self.in_critic_warmup()
 
-    def policy_loss_scale(self) -> float:
-        return 0.0 if self.in_value_pretraining() else 1.0
-
-    def _hold_policy(self, frozen: bool) -> None:
-        """Switch the policy's weight decay off while it is frozen; reset its optimizer state when pre-training ends.
-
-        Stateless (decided from `global_step`) so that resuming anywhere does the right thing: the reset happens at
-        `global_step == value_pretrain_steps` (idempotent within the accumulation window: no step has run yet).
-        """
-        if self.optimizer is None:
-            return
-        for group in self.optimizer.param_groups:
-            if group.get(GROUP_ROLE) == "policy":
-                group["weight_decay"] = 0.0 if frozen else group.get(GROUP_WEIGHT_DECAY, group["weight_decay"])
-        end = self.args.value_pretrain_steps
-        if not frozen and end > 0 and self.state.global_step == end:
-            self._reset_policy_optimizer_state()
-
-    def _reset_policy_optimizer_state(self) -> int:
-        """Drop the optimizer state of the policy's parameters; returns how many state entries were dropped."""
-        inner = _innermost_optimizer(self.optimizer)
-        policy_groups = {i for i, g in enumerate(inner.param_groups) if g.get(GROUP_ROLE) == "policy"}
-        zero3 = self.optimizer
-        while zero3 is not None and not hasattr(zero3, "sub_group_to_group_id"):
-            zero3 = getattr(zero3, "optimizer", None)
-        if zero3 is not None:  # ZeRO-3 keys the state by flat fp32 sub-group partitions
-            tensors = [zero3.fp32_partitioned_groups_flat[sub] for sub, gid in zero3.sub_group_to_group_id.items()
-                       if gid in policy_groups]
-        else:  # torch optimizers, and ZeRO-1/2 (one flat partition per group)
-            tensors = [p for i in policy_groups for p in inner.param_groups[i]["params"]]
-        return sum(inner.state.pop(tensor, None) is not None for tensor in tensors)
-
-    def _compute_loss(self, model, inputs):
-        if self.model.training:
-            frozen = self.in_value_pretraining()
-            self._hold_policy(frozen)
-            self._metrics["train"]["value_pretraining"].append(float(frozen))
-        return super()._compute_loss(model, inputs)
+    def step_token_counts(self, inputs):
+        counts = super().step_token_counts(inputs)
+        if "positive" in inputs:  # the positive-example NLL's token mean is over the correct completions' tokens
+            mask = selection.loss_mask(inputs) * inputs["positive"].unsqueeze(1)
+            counts["num_positive_tokens"] = mask.sum()
+        return counts
 
     # -------------------------------------------------------------------------------------------- advantages
     def gae_lambdas(self, valid):
