@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import transformers
 from packaging.version import Version
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 
@@ -58,37 +57,6 @@ class _ArgmaxOnLastRows(LogitsProcessor):
             rows.fill_(float("-inf"))
             rows.scatter_(1, best, kept)
         return scores
-
-
-@contextlib.contextmanager
-def _greedy_rows_in_generate(model, num_rows: int):
-    """Route `model.generate` through `_ArgmaxOnLastRows(num_rows)` for the duration of the block.
-
-    TRL 1.16 has no config route for a logits processor (`GenerationConfig` refuses one, `generation_kwargs` is not
-    forwarded on transformers 5), and `GRPOTrainer._generate_single_turn` calls `unwrapped_model.generate(...)`
-    itself. Shadowing the bound method with an instance attribute touches this one model object only, and the
-    attribute is removed on exit, whatever happens. The yielded list records the calls, so that a TRL change that
-    stops calling `generate` fails loudly instead of silently training with a sampled "baseline".
-    """
-    had_own = "generate" in model.__dict__
-    own = model.__dict__.get("generate")
-    inner = model.generate
-    calls = []
-
-    def generate(*args, **kwargs):
-        calls.append(1)
-        processors = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
-        processors.append(_ArgmaxOnLastRows(num_rows))
-        return inner(*args, logits_processor=processors, **kwargs)
-
-    model.__dict__["generate"] = generate
-    try:
-        yield calls
-    finally:
-        if had_own:
-            model.__dict__["generate"] = own
-        else:
-            del model.__dict__["generate"]
 
 
 def owned_group_rows(rank: int, num_local: int, group_size: int) -> list[int]:
@@ -142,6 +110,7 @@ class ReMaxTrainer(VariantTrainer):
             check(kwargs.get(name) is None, name,
                   "None (ReMax generates its greedy rows inside TRL's own generation path)", kwargs.get(name))
         self._greedy_turn_pending = False
+        self._greedy_rows_pending = 0
         self._greedy = None
         self._greedy_rewards = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -180,22 +149,27 @@ class ReMaxTrainer(VariantTrainer):
             )
             greedy_ids = self._vllm_greedy(greedy_prompts, padded, prompt_ids[0])
         else:
-            target = self.accelerator.unwrap_model(self.model_wrapped)
-            with _greedy_rows_in_generate(target, len(greedy_prompts)) as calls:
+            # the base class's one `generate` wrapper appends `_ArgmaxOnLastRows` (and raises if TRL stopped
+            # calling `generate`, which would train with a sampled "baseline")
+            self._greedy_rows_pending = len(greedy_prompts)
+            try:
                 completion_ids, logprobs = super()._generate_single_turn(
                     list(prompt_ids) + greedy_prompts, images, multimodal_fields, num_generations, has_tool_images
                 )
-            if not calls:
-                raise RuntimeError(
-                    "ReMaxTrainer: TRL's _generate_single_turn no longer calls model.generate; the greedy rows were "
-                    "not forced to argmax. This TRL version is not supported."
-                )
+            finally:
+                self._greedy_rows_pending = 0
             greedy_ids = completion_ids[num_local:]
             completion_ids = completion_ids[:num_local]
             logprobs = logprobs[:num_local] if logprobs is not None else None
         self._greedy = {"rows": rows, "padded": padded, "group_size": num_generations, "prompt_ids": greedy_prompts,
                         "completion_ids": greedy_ids}
         return completion_ids, logprobs
+
+    def generation_logits_processors(self):
+        processors = super().generation_logits_processors()
+        if self._greedy_rows_pending:
+            processors.append(_ArgmaxOnLastRows(self._greedy_rows_pending))
+        return processors
 
     def _vllm_greedy(self, greedy_prompts, padded, filler):
         """One temperature-0 request for the greedy rows, padded to the same count on every rank (TRL slices the
