@@ -143,6 +143,49 @@ def test_generate_logps_equal_the_training_forward(setting, toy_model_dir, toy_d
     torch.testing.assert_close(recorded[mask], forward[mask], rtol=0, atol=1e-5)
 
 
+@pytest.mark.timeout(300)
+def test_tool_turns_are_recorded_and_tool_output_is_masked(toy_model_dir, toy_dataset, tmp_path):
+    """TRL's tool loop calls `_generate_single_turn` again on prompt + completion + tool output and appends
+    `[0.0] * tool_length + post-tool log-probs` (a stand-in for `_tool_call_loop` doing what TRL 1.16's does, as the
+    toy model calls no tools): on every model token (`tool_mask` 1) the recorded log-probs equal the forward's on the
+    full sequence, tool tokens are masked out of the KL."""
+    args = toy_args(RLOOConfig, tmp_path, beta=0.05, max_completion_length=12, per_device_train_batch_size=8,
+                    repetition_penalty=1.3, temperature=0.8, bf16=False)
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    perturb(trainer.model, seed=1, scale=0.02)
+    trainer.model.train()
+    tool_ids = trainer.processing_class("=42\n")["input_ids"]
+
+    def tool_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images, multimodal_fields):
+        rows = [0, 3, 5]
+        ids = [prompt_ids[i] + completion_ids[i] + tool_ids for i in rows]
+        post, post_logprobs = trainer._generate_single_turn(ids, None, {}, num_generations=1)
+        tool_mask = [[1] * len(c) for c in completion_ids]
+        for j, i in enumerate(rows):
+            room = args.max_completion_length - len(completion_ids[i]) - len(tool_ids)
+            post_ids, post_lp = post[j][: max(room, 0)], post_logprobs[j][: max(room, 0)]
+            tool_mask[i] += [0] * len(tool_ids) + [1] * len(post_ids)
+            logprobs[i] += [0.0] * len(tool_ids) + post_lp
+            completion_ids[i] = completion_ids[i] + tool_ids + post_ids
+        return tool_mask, completions, completion_ids, logprobs, len(rows), 0, []
+
+    trainer.tools = [lambda x: x]
+    trainer._tool_call_loop = tool_loop
+    torch.manual_seed(0)
+    inputs = [dict(toy_dataset[i]) for i in range(2) for _ in range(4)]
+    out = GRPOTrainer._generate_and_score_completions(trainer, inputs)
+    assert (out["tool_mask"] == 0).any()
+    mask = (out["completion_mask"] * out["tool_mask"]).bool()
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with torch.no_grad():
+        forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])
+    torch.testing.assert_close(out["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
+    kl = trainer.reference_kl(out)
+    assert (kl[~mask] == 0).all() and kl[mask].abs().sum() > 0
+
+
 def _spy_policy_forwards(trainer, monkeypatch):
     """Count this trainer's policy passes through `GRPOTrainer._get_per_token_logps_and_entropies` (the reference's
     excluded; the fallback calls TRL's method directly, so the class is patched)."""
