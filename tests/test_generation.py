@@ -186,6 +186,54 @@ def test_tool_turns_are_recorded_and_tool_output_is_masked(toy_model_dir, toy_da
     assert (kl[~mask] == 0).all() and kl[mask].abs().sum() > 0
 
 
+@pytest.mark.timeout(300)
+def test_recording_with_a_peft_adapter(toy_model_dir, toy_dataset, tmp_path):
+    """With LoRA, `generate` runs the base model's forward (with the adapter): the hook sits there. The adapter is
+    initialised away from zero so that the policy differs from the reference (the adapter disabled)."""
+    from peft import LoraConfig
+
+    args = toy_args(RLOOConfig, tmp_path, beta=0.05, max_completion_length=8, per_device_train_batch_size=8,
+                    temperature=0.8, bf16=False)
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset,
+                          peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    trainer.model.train()
+    torch.manual_seed(0)
+    inputs = [dict(toy_dataset[i]) for i in range(2) for _ in range(4)]
+    out = GRPOTrainer._generate_and_score_completions(trainer, inputs)
+    mask = out["completion_mask"].bool()
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with torch.no_grad():
+        forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])
+    torch.testing.assert_close(out["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
+    assert (out["ref_per_token_logps"][mask] - forward[mask]).abs().max() > 1e-2  # the adapter is in the policy
+
+
+def test_continuous_batching_keeps_the_forward(toy_model_dir, toy_dataset, tmp_path, monkeypatch):
+    """`use_transformers_continuous_batching` (`generate_batch`, no logits hook) returns no log-probs: nothing is
+    patched and the KL takes the forward pass."""
+    args = toy_args(RLOOConfig, tmp_path, beta=0.05)
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    trainer.use_transformers_continuous_batching = True
+    target = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    seen = []
+
+    def stub(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        seen.append("generate" in target.__dict__)
+        return [[5, 6]], None
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", stub)
+    assert trainer._generate_single_turn([[1, 2]], None, {}, 1) == ([[5, 6]], None)
+    assert seen == [False]
+    # HF generate: the wrapper is in place during the call; a TRL that never called `generate` records nothing, so
+    # the rows come back NaN (and the KL takes the forward pass)
+    trainer.use_transformers_continuous_batching = False
+    _, logprobs = trainer._generate_single_turn([[1, 2]], None, {}, 1)
+    assert seen == [False, True] and "generate" not in target.__dict__
+    assert len(logprobs[0]) == 2 and all(math.isnan(x) for x in logprobs[0])
+
+
 def _spy_policy_forwards(trainer, monkeypatch):
     """Count this trainer's policy passes through `GRPOTrainer._get_per_token_logps_and_entropies` (the reference's
     excluded; the fallback calls TRL's method directly, so the class is patched)."""
