@@ -109,6 +109,15 @@ def _ragged_inputs(dataset, num_prompts, group_size=G):
     return rows
 
 
+def _forward_logps(trainer, out):
+    """The training forward's per-token log-probs of a rollout (TRL's method, no grad)."""
+    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
+    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
+    with torch.no_grad():
+        return GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])[0]
+
+
 SETTINGS = {
     "plain": {},
     "penalty-temperature-topk-topp": dict(repetition_penalty=1.5, temperature=0.7, top_k=5, top_p=0.9),
@@ -135,11 +144,7 @@ def test_generate_logps_equal_the_training_forward(setting, toy_model_dir, toy_d
     assert len(set(out["prompt_mask"].sum(1).tolist())) == 3  # ragged prompts, left-padded
     assert lengths.min() < 8 and (out["completion_ids"] == trainer.eos_token_ids[0]).any()  # EOS mid-batch
     recorded = out["sampling_per_token_logps"]
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():
-        forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])
+    forward = _forward_logps(trainer, out)
     torch.testing.assert_close(recorded[mask], forward[mask], rtol=0, atol=1e-5)
 
 
@@ -176,11 +181,7 @@ def test_tool_turns_are_recorded_and_tool_output_is_masked(toy_model_dir, toy_da
     out = GRPOTrainer._generate_and_score_completions(trainer, inputs)
     assert (out["tool_mask"] == 0).any()
     mask = (out["completion_mask"] * out["tool_mask"]).bool()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():
-        forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])
+    forward = _forward_logps(trainer, out)
     torch.testing.assert_close(out["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
     kl = trainer.reference_kl(out)
     assert (kl[~mask] == 0).all() and kl[mask].abs().sum() > 0
@@ -201,11 +202,7 @@ def test_recording_with_a_peft_adapter(toy_model_dir, toy_dataset, tmp_path):
     inputs = [dict(toy_dataset[i]) for i in range(2) for _ in range(4)]
     out = GRPOTrainer._generate_and_score_completions(trainer, inputs)
     mask = out["completion_mask"].bool()
-    ids = torch.cat([out["prompt_ids"], out["completion_ids"]], dim=1)
-    attention = torch.cat([out["prompt_mask"], out["completion_mask"]], dim=1)
-    with torch.no_grad():
-        forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, attention, out["completion_ids"].shape[1])
+    forward = _forward_logps(trainer, out)
     torch.testing.assert_close(out["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
     assert (out["ref_per_token_logps"][mask] - forward[mask]).abs().max() > 1e-2  # the adapter is in the policy
 
