@@ -231,6 +231,20 @@ def test_continuous_batching_keeps_the_forward(toy_model_dir, toy_dataset, tmp_p
     assert len(logprobs[0]) == 2 and all(math.isnan(x) for x in logprobs[0])
 
 
+def test_processors_that_were_not_applied_are_an_error(toy_model_dir, toy_dataset, tmp_path, monkeypatch):
+    """ReMax's greedy rows go through the base class's wrapper: if TRL stopped calling `model.generate`, the rows
+    would be sampled and the "baseline" silently wrong, so the call raises; other backends refuse processors."""
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=toy_args(RLOOConfig, tmp_path, beta=0.0),
+                          train_dataset=toy_dataset)
+    trainer.generation_logits_processors = lambda: [lambda input_ids, scores: scores]
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", lambda self, *a, **k: ([[5]], None))
+    with pytest.raises(RuntimeError, match="no longer calls model.generate"):
+        trainer._generate_single_turn([[1, 2]], None, {}, 1)
+    trainer.use_transformers_continuous_batching = True
+    with pytest.raises(RuntimeError, match="logits processors need HF `generate`"):
+        trainer._generate_single_turn([[1, 2]], None, {}, 1)
+
+
 def _spy_policy_forwards(trainer, monkeypatch):
     """Count this trainer's policy passes through `GRPOTrainer._get_per_token_logps_and_entropies` (the reference's
     excluded; the fallback calls TRL's method directly, so the class is patched)."""
