@@ -87,7 +87,8 @@ def selected(args) -> list:
         unknown = [n for n in names if n not in algos.ALL]
         if unknown:
             raise SystemExit(f"--only: unknown rows {unknown}; known: {', '.join(algos.ALL)}")
-        wanted = set(names) | {algos.ALL[n].baseline for n in names} | {"grpo"}
+        wanted = (set(names) | {algos.ALL[n].baseline for n in names} | {"grpo"}
+                  | {algos.ALL[n].peer for n in names if algos.ALL[n].peer})
         rows = [a for a in rows if a.name in wanted]
     return rows
 
@@ -158,6 +159,7 @@ class Stepper:
         self.error = None
         self.finished = False
         self.rng = None  # this trainer's own torch RNG state, swapped in while it runs
+        self.keep_rate = None  # DAPO: observed fraction of generated groups with a reward spread
 
     def _pause(self):
         self.done.set()
@@ -267,6 +269,12 @@ def run_interleaved(rows, args, model_dir, work):
     curves = {}
     for name, trainer in trainers.items():
         curves[name] = [(h["step"], h["reward"]) for h in trainer.state.log_history if "reward" in h and "step" in h]
+        dapo = [h for h in trainer.state.log_history if "dapo/groups_generated" in h and h.get("step", 0) > args.warmup]
+        if dapo:  # DAPO: the fraction of generated groups with a reward spread over the measured steps
+            total = sum(h["dapo/groups_generated"] for h in dapo)
+            dropped = sum(h["dapo/groups_generated"] * (h["dapo/frac_dropped_all_correct"]
+                                                        + h["dapo/frac_dropped_all_wrong"]) for h in dapo)
+            steppers[name].keep_rate = (total - dropped) / total
     return steppers, curves, skipped
 
 
@@ -366,6 +374,8 @@ def summarize(rows, steppers, memory, skipped, args):
     measured = {n: s.steps[args.warmup:] for n, s in steppers.items()}
     for algo in rows:
         res = {"name": algo.name, "label": algo.label, "baseline": algo.baseline}
+        if algo.peer:
+            res["peer_label"] = algos.ALL[algo.peer].label
         if algo.name in skipped:
             res["status"] = skipped[algo.name]
         if algo.name not in measured or algo.name in skipped:
@@ -384,6 +394,8 @@ def summarize(rows, steppers, memory, skipped, args):
         res["rounds_per_step"] = sum(s["gen_calls"] for s in steps) / len(steps) if steps else None
         res["rollout_share"] = (sum(s["rollout_time"] for s in steps) / sum(s["seconds"] for s in steps)
                                 if steps else None)
+        if steppers[algo.name].keep_rate is not None:
+            res["keep_rate"] = steppers[algo.name].keep_rate
         if base:
             pairs = list(zip(steps, base))
             ratios = [a["seconds"] / b["seconds"] for a, b in pairs]
@@ -393,6 +405,11 @@ def summarize(rows, steppers, memory, skipped, args):
                          for a, b in pairs if a["gen_tokens"] and b["gen_tokens"]]
             res["per_gen_token_ratio"] = _median(per_token)
             res["per_gen_token_ratio_ci90"] = _bootstrap_ci(per_token)
+        peer = measured.get(algo.peer) if algo.peer and algo.peer not in skipped else None
+        if peer:  # paired per round, like the baseline's ratio
+            peer_ratios = [a["seconds"] / b["seconds"] for a, b in zip(steps, peer)]
+            res["peer_ratio"] = _median(peer_ratios)
+            res["peer_ratio_ci90"] = _bootstrap_ci(peer_ratios)
         mem = memory.get(algo.name)
         if mem is not None:
             res["memory"] = mem
@@ -403,7 +420,10 @@ def summarize(rows, steppers, memory, skipped, args):
         verdict, words = algos.target_check(algo, res, args.group)
         res["target"], res["verdict"] = words, verdict
         judged = algos.target_bound(algo, args.group)
-        if verdict == "MISS" and judged and (res.get(judged[0] + "_ci90") or [judged[1]])[0] <= judged[1]:
+        reaches = judged and (res.get(judged[0] + "_ci90") or [judged[1]])[0] <= judged[1]
+        if algo.peer and res.get("peer_ratio") is not None and res["peer_ratio"] >= 1.0:  # beaten by the peer
+            reaches = reaches and (res.get("peer_ratio_ci90") or [1.0])[0] < 1.0
+        if verdict == "MISS" and reaches:
             res["verdict"] = "MISS (within noise: the 90% CI reaches the bound)"
         results.append(res)
     return results
@@ -446,6 +466,9 @@ def markdown(results, machine, args):
                 "per_gen_token_ratio_ci90") else ")"
         if r["baseline"] != "grpo":
             ratio += " (vs GRPO beta=0.04)" if ratio else ""
+        if r.get("peer_ratio") is not None:
+            ratio += f"; {r['peer_ratio']:.2f}x {r['peer_label']}"
+            ratio += " [{:.2f}, {:.2f}]".format(*r["peer_ratio_ci90"]) if r.get("peer_ratio_ci90") else ""
         lines.append(
             f"| {r['label']} | {_fmt(r['median_step_s'], '.3f')} | {ratio} | {mem_cell} | {peak_cell} "
             f"| {_fmt(r.get('gen_per_trained_token'))} | {_fmt(r.get('rounds_per_step'))} "
@@ -563,8 +586,12 @@ def main(argv=None):
     for r in results:
         if r.get("verdict"):
             print(f"{r['verdict']}: {r['label']}: {r['target']} (measured {r.get('time_ratio', 0):.2f}x"
-                  + (f", {r['per_gen_token_ratio']:.2f}x per generated token" if r["name"] == "dapo"
+                  + (f", {r['per_gen_token_ratio']:.2f}x per generated token, {r['rounds_per_step']:.2f} rounds/step, "
+                     f"{r['gen_per_trained_token']:.2f} gen tok / trained tok" if r["name"] == "dapo"
                      and r.get("per_gen_token_ratio") else "")
+                  + (f", {r['peer_ratio']:.2f}x {r['peer_label']}" if r.get("peer_ratio") is not None else "")
+                  + (f"; observed keep rate {r['keep_rate']:.2f}: any sizing generates >= 1/{r['keep_rate']:.2f} = "
+                     f"{1 / r['keep_rate']:.2f} prompts per trained prompt" if r.get("keep_rate") else "")
                   + (f", memory {r['mem_ratio']:.2f}x" if r.get("mem_ratio") is not None else "") + ")")
         elif r["status"] != "ok":
             print(f"SKIP: {r['label']}: {r['status']}")

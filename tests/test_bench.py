@@ -30,9 +30,21 @@ def test_target_verdicts_follow_the_issue_bounds():
     # ReMax: (1 + 1/G) + 5% = 1.30 for G = 4
     assert algos.target_check(rows["remax"], {"time_ratio": 1.29}, 4)[0] == "PASS"
     assert algos.target_check(rows["remax"], {"time_ratio": 1.31}, 4)[0] == "MISS"
-    # DAPO is judged per generated token, not per step
-    assert algos.target_check(rows["dapo"], {"time_ratio": 3.0, "per_gen_token_ratio": 1.0}, 4)[0] == "PASS"
-    assert algos.target_check(rows["dapo"], {"time_ratio": 1.0, "per_gen_token_ratio": 1.1}, 4)[0] == "MISS"
+    # DAPO is judged on its generation rounds per step and generated tokens per trained token, not on time
+    dapo = rows["dapo"]
+    assert algos.target_check(dapo, {"time_ratio": 3.0, "rounds_per_step": 1.3, "gen_per_trained_token": 1.4},
+                              4)[0] == "PASS"
+    assert algos.target_check(dapo, {"time_ratio": 1.0, "rounds_per_step": 1.31, "gen_per_trained_token": 1.0},
+                              4)[0] == "MISS"
+    assert algos.target_check(dapo, {"time_ratio": 1.0, "rounds_per_step": 1.0, "gen_per_trained_token": 1.41},
+                              4)[0] == "MISS"
+    # a KL in the reward: <= 1.03x GRPO with a reference, and our RLOO faster than TRL's
+    ref = {a.name: a for a in algos.ALGOS_REF}
+    assert algos.target_check(ref["reinforce_pp_ref"], {"time_ratio": 1.03}, 4)[0] == "PASS"
+    assert algos.target_check(ref["reinforce_pp_ref"], {"time_ratio": 1.04}, 4)[0] == "MISS"
+    assert algos.target_check(ref["rloo_ref"], {"time_ratio": 1.0, "peer_ratio": 0.95}, 4)[0] == "PASS"
+    assert algos.target_check(ref["rloo_ref"], {"time_ratio": 1.0, "peer_ratio": 1.01}, 4)[0] == "MISS"
+    assert algos.target_check(ref["rloo_ref"], {"time_ratio": 1.0}, 4)[0] == "MISS"  # the peer was not measured
     assert algos.target_check(rows["ppo"], {"time_ratio": 1.7, "mem_ratio": 1.5}, 4)[0] == "PASS"
     assert algos.target_check(rows["ppo"], {"time_ratio": 1.7, "mem_ratio": 1.7}, 4)[0] == "MISS"
     assert algos.target_check(rows["vapo"], {"time_ratio": 1.9, "mem_ratio": 1.0}, 4)[0] == "MISS"

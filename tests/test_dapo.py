@@ -3,6 +3,7 @@ refill sampler, and end-to-end runs on the toy task (single process; the 2-proce
 tests/scripts/dapo_2proc.py, launched by the slow tests at the end)."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import toy_args
+from trl import GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 from trl.trainer.utils import RepeatSampler
 
@@ -23,6 +25,10 @@ from trl_ppo_variants.trainers.dapo import (
     DAPOTrainer,
     GroupAccumulator,
     RefillSampler,
+    binomial_at_least,
+    keep_rate_estimate,
+    prompts_to_generate,
+    update_keep_rate,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +40,8 @@ def test_defaults_are_the_papers(tmp_path):
     assert (args.epsilon, args.epsilon_high, args.beta, args.loss_type) == (0.2, 0.28, 0.0, "dapo")
     assert args.dynamic_sampling and args.overlong_penalty and args.filter_metric == "reward"
     assert args.filter_std_eps == 1e-6 and args.max_generation_rounds == 10 and args.refill_num_prompts is None
+    assert (args.keep_rate_init, args.keep_rate_smoothing, args.shortfall_probability,
+            args.max_oversample_factor) == (1.0, 0.1, 0.2, 2.0)
     assert DAPOConfig(output_dir=str(tmp_path), max_completion_length=20480, use_cpu=True,
                       report_to=[]).effective_overlong_cache_length == 4096  # the paper's 4096 / 20480
 
@@ -48,6 +56,12 @@ def test_defaults_are_the_papers(tmp_path):
         ("overlong_cache_length", -1),
         ("kl_in_reward_coef", 0.1),
         ("filter_metric", ""),
+        ("keep_rate_init", 0.0),
+        ("keep_rate_init", 1.5),
+        ("keep_rate_smoothing", 0.0),
+        ("shortfall_probability", 1.0),
+        ("shortfall_probability", 0.0),
+        ("max_oversample_factor", 0.5),
     ],
 )
 def test_bad_config_names_the_field(tmp_path, field, value):
@@ -196,6 +210,68 @@ def test_accumulator_exhaustion_pads_with_dropped_groups_when_too_few():
     assert exhausted and real_rows == 0 and positions.tolist() == [0, 1, 2, 3]
 
 
+# ------------------------------------------------------------------------------------------------ round sizing
+def test_keep_rate_estimator_is_an_exponentially_weighted_ratio_of_counts():
+    state = (0.0, 0.0)
+    assert keep_rate_estimate(state, 0.7) == 0.7  # nothing observed: the initial value
+    state = update_keep_rate(state, 3, 5, 0.1)
+    assert state == pytest.approx((0.3, 0.5)) and keep_rate_estimate(state, 0.7) == pytest.approx(0.6)
+    state = update_keep_rate(state, 4, 4, 0.1)  # (0.9 * 0.3 + 0.4, 0.9 * 0.5 + 0.4) = (0.67, 0.85)
+    assert keep_rate_estimate(state, 0.7) == pytest.approx(0.67 / 0.85)
+    # weighted by counts: after a round of 90/100 and one of 0/2, (22.5 + 0) / (25 + 1), not the rates' mean 0.45
+    big_then_small = update_keep_rate(update_keep_rate((0.0, 0.0), 90, 100, 0.5), 0, 2, 0.5)
+    assert keep_rate_estimate(big_then_small, 1.0) == pytest.approx(22.5 / 26)
+    assert keep_rate_estimate(update_keep_rate(state, 1, 4, 1.0), 0.7) == 0.25  # smoothing 1: the last round only
+
+
+def test_binomial_tail_by_hand():
+    assert binomial_at_least(4, 5, 0.85) == pytest.approx(0.85 ** 5 + 5 * 0.85 ** 4 * 0.15)  # 0.8352
+    assert binomial_at_least(4, 6, 0.85) == pytest.approx(0.85 ** 6 + 6 * 0.85 ** 5 * 0.15 + 15 * 0.85 ** 4 * 0.15 ** 2)
+    assert binomial_at_least(0, 3, 0.5) == 1.0 and binomial_at_least(4, 3, 0.9) == 0.0
+    assert binomial_at_least(2, 3, 1.0) == 1.0 and binomial_at_least(1, 3, 0.0) == 0.0
+    assert binomial_at_least(1, 3, 0.5) == pytest.approx(7 / 8)
+
+
+@pytest.mark.parametrize("needed, rate, prob, multiple, cap, expected", [
+    (4, 0.85, 0.2, 1, 8, 5),  # P(>= 4 of 5) = 0.835 >= 0.8
+    (4, 0.85, 0.1, 1, 8, 6),  # 0.835 < 0.9 <= P(>= 4 of 6) = 0.953
+    (4, 0.85, 0.2, 2, 8, 6),  # rounded up to a multiple of 2
+    (4, 1.0, 0.2, 3, 9, 6),  # a sure keep: the smallest multiple of 3 holding 4 prompts
+    (4, 0.3, 0.2, 1, 8, 8),  # nothing up to the cap is enough: the cap
+    (4, 0.0, 0.2, 2, 8, 8),
+    (0, 0.5, 0.2, 1, 8, 0),  # nothing needed
+    (1, 0.85, 0.2, 1, 8, 1),  # a refill of one missing group: one prompt suffices with p = 0.85
+    (64, 0.85, 0.2, 1, 128, 78),
+])
+def test_prompts_to_generate(needed, rate, prob, multiple, cap, expected):
+    n = prompts_to_generate(needed, rate, prob, multiple, cap)
+    assert n == expected
+    if 0 < n < cap:  # the smallest multiple that is enough
+        assert binomial_at_least(needed, n, rate) >= 1 - prob
+        assert n - multiple < needed or binomial_at_least(needed, n - multiple, rate) < 1 - prob
+
+
+def _sizing_trainer(world=1, G=4, target=4, factor=2.0, state=(0.0, 0.0), init=1.0):
+    args = SimpleNamespace(generation_batch_size=target * G, max_oversample_factor=factor, shortfall_probability=0.2,
+                           keep_rate_init=init)
+    return SimpleNamespace(args=args, num_generations=G, _prompt_multiple=world // math.gcd(G, world),
+                           _keep_rate_state=state,
+                           keep_rate=keep_rate_estimate(state, init))
+
+
+@pytest.mark.parametrize("world, G, state, needed, expected", [
+    (1, 4, (0.0, 0.0), 4, 4),  # nothing observed, initial 1.0: no over-sampling
+    (1, 4, (0.85, 1.0), 4, 5),
+    (1, 4, (0.85, 1.0), 1, 1),  # a refill sized to the one missing group
+    (3, 2, (0.85, 1.0), 4, 6),  # 3 processes, G = 2: prompts in multiples of 3 (rows split evenly)
+    (1, 4, (0.1, 1.0), 4, 8),  # keep rate 0.1: capped at max_oversample_factor x 4 prompts
+])
+def test_round_prompts_from_the_estimate(world, G, state, needed, expected):
+    fake = _sizing_trainer(world=world, G=G, state=state)
+    count = DAPOTrainer._round_prompts(fake, needed)
+    assert count == expected and count * G % world == 0
+
+
 # ------------------------------------------------------------------------------------------------ refill sampler
 def test_refill_sampler_is_seeded_resumable_and_covers_each_epoch():
     a, b = RefillSampler(10, seed=3), RefillSampler(10, seed=3)
@@ -234,6 +310,19 @@ def test_refill_rows_follow_the_repeat_sampler_layout():
                                _refill_source=lambda: source)
         shares.append([r["prompt"] for r in DAPOTrainer._refill_rows(fake, [7, 3, 5])])
     assert shares == [["q7", "q7", "q3"], ["q3", "q5", "q5"]]
+
+
+def test_over_sampled_first_round_follows_the_repeat_sampler_layout():
+    """First round: the dataloader's batch of every process (12 rows, G = 4, 6 per process: group b spans the two
+    processes), then one refill prompt G times; 16 rows split 8 + 8, every group contiguous."""
+    source = [{"prompt": f"q{i}"} for i in range(10)]
+    head = [{"prompt": p} for p in "aaaabbbbcccc"]
+    shares = []
+    for rank in range(2):
+        fake = SimpleNamespace(num_generations=4, accelerator=SimpleNamespace(num_processes=2, process_index=rank),
+                               _refill_source=lambda: source)
+        shares.append([r["prompt"] for r in DAPOTrainer._refill_rows(fake, [7], head=head)])
+    assert shares == [list("aaaabbbb"), list("cccc") + ["q7"] * 4]
 
 
 # ------------------------------------------------------------------------------------------------ end to end, 1 process
@@ -286,6 +375,81 @@ def test_every_trained_group_has_spread_and_the_batch_is_full(tmp_path, toy_mode
     assert logs and all(h["dapo/groups_kept"] == 4 and h["dapo/exhausted"] == 0 for h in logs)
     assert all(h["dapo/groups_generated"] >= 4 and h["dapo/gen_tokens_per_trained_token"] >= 1 for h in logs)
     assert any(h["dapo/rounds"] > 1 for h in logs)  # the toy data has no-spread groups: refills did happen
+    for h in logs:
+        assert 0 < h["dapo/keep_rate_estimate"] <= 1 and h["dapo/first_round_prompts"] >= 4
+        assert h["dapo/prompts_per_round"] == (h["dapo/first_round_prompts"] + h["dapo/refill_prompts"]) / h[
+            "dapo/rounds"]
+        assert h["dapo/groups_generated"] == h["dapo/first_round_prompts"] + h["dapo/refill_prompts"]
+        assert 0 <= h["dapo/trimmed_groups"] < h["dapo/groups_generated"]
+
+
+def _round_inputs(monkeypatch):
+    """The inputs of every generation round (TRL's `_generate_and_score_completions`, which DAPO calls per round)."""
+    rounds = []
+    original = GRPOTrainer._generate_and_score_completions
+
+    def spy(self, inputs):
+        rounds.append([dict(x) for x in inputs])
+        return original(self, inputs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", spy)
+    return rounds
+
+
+def test_first_round_is_over_sampled_from_the_estimate(tmp_path, toy_model_dir, toy_dataset, monkeypatch):
+    """keep_rate_init = 0.5 and 4 groups per step: P(>= 4 of n prompts) >= 0.8 needs n = 10 > the cap (2 x 4), so
+    the first round is the dataloader's 4 prompts plus 4 fresh refill prompts, in ONE generation call, laid out as
+    TRL's sampler lays them out (each prompt G times, after the dataloader's rows)."""
+    args = toy_args(DAPOConfig, tmp_path, per_device_train_batch_size=16, max_steps=1, keep_rate_init=0.5)
+    trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    batches = []
+    original = trainer._generate_and_score_completions
+
+    def keep_batch(inputs):
+        batches.append([dict(x) for x in inputs])
+        return original(inputs)
+
+    trainer._generate_and_score_completions = keep_batch
+    rounds = _round_inputs(monkeypatch)
+    trainer.train()
+    first = rounds[0]
+    assert len(first) == 32 and first[:16] == batches[0]  # dataloader's rows first, unchanged
+    extra = [r["prompt"] for r in first[16:]]
+    assert all(len(set(extra[4 * g: 4 * g + 4])) == 1 for g in range(4))  # each refill prompt G times
+    assert not set(extra) & {r["prompt"] for r in batches[0]}  # fresh prompts
+    log = next(h for h in trainer.state.log_history if "dapo/first_round_prompts" in h)
+    assert log["dapo/first_round_prompts"] == 8 and log["dapo/keep_rate_estimate"] == 0.5
+    assert trainer._refill_sampler.state_dict()["offset"] >= 4  # drawn from the refill sampler
+
+
+def test_refills_are_sized_to_the_shortfall(tmp_path, toy_model_dir, toy_dataset, monkeypatch):
+    """Every round is sized by `prompts_to_generate` from the estimate of that moment: refills to the groups still
+    missing (here smaller than a generation batch), and the estimate follows the observed keep rate."""
+    args = toy_args(DAPOConfig, tmp_path, per_device_train_batch_size=16, max_steps=4)
+    trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    sized, draws = [], []
+    original_size, original_draw = trainer._round_prompts, trainer._refill_sampler.draw
+
+    def size(needed):
+        count = original_size(needed)
+        sized.append((needed, trainer.keep_rate, count))
+        return count
+
+    def draw(k, **kw):
+        draws.append(k)
+        return original_draw(k, **kw)
+
+    trainer._round_prompts, trainer._refill_sampler.draw = size, draw
+    rounds = _round_inputs(monkeypatch)
+    trainer.train()
+    for needed, rate, count in sized:
+        assert count == prompts_to_generate(needed, rate, 0.2, 1, 8)
+    refills = [(n, c) for n, _, c in sized if n < 4]
+    assert refills and all(c < 4 for n, c in refills)  # not a whole generation batch
+    # one sizing per round, in order: a first round holds at least the dataloader's 4 prompts
+    assert [len(r) // 4 for r in rounds] == [max(c, 4) if n == 4 else c for n, _, c in sized]
+    assert sum(draws) == sum(len(r) for r in rounds) // 4 - 4 * 4  # every extra prompt came from the sampler
+    assert 0 < trainer.keep_rate < 1  # the toy task has groups without a spread
 
 
 def test_exhaustion_with_a_constant_reward_trains_nothing_and_warns_once(tmp_path, toy_model_dir, toy_dataset):
@@ -355,10 +519,22 @@ def test_checkpoint_keeps_the_refill_position(tmp_path, toy_model_dir, toy_datas
         return original(*a, **kw)
 
     resumed._refill_sampler.draw = spy
+    saved_rate = torch.load(ckpt / "variant_state_rank0.pt", weights_only=False)["extra"]["dapo_keep_rate"]
+    assert saved_rate[1] > 0  # the keep-rate estimator's state travels with it
+    rates = []
+    original_size = resumed._round_prompts
+
+    def size(needed):
+        rates.append(resumed._keep_rate_state)
+        return original_size(needed)
+
+    resumed._round_prompts = size
     resumed.train(resume_from_checkpoint=str(ckpt))
     if positions:  # the first refill after resuming starts where the checkpoint left off
         assert (positions[0]["epoch"], positions[0]["offset"]) == (saved["epoch"], saved["offset"])
+    assert list(rates[0]) == saved_rate  # step 2 is sized from the checkpoint's estimate
     assert resumed._refill_sampler.state_dict() == full._refill_sampler.state_dict()
+    assert resumed._keep_rate_state == full._keep_rate_state
 
 
 def test_without_dynamic_sampling_it_is_grpo_plus_shaping(tmp_path, toy_model_dir, toy_dataset):
@@ -436,8 +612,9 @@ def sampled_reward(model, tokenizer, n=16, seed=0):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dapo_with_dynamic_sampling_improves_mean_reward(tmp_path, toy_model_dir, toy_dataset):
-    """80 steps from the warm-started model: the sampled reward (400 samples) rises by > 0.08 (measured +0.16 and
-    +0.15 with seeds 0 and 1; the standard error of each estimate is about 0.025)."""
+    """80 steps from the warm-started model: the sampled reward (400 samples) rises by > 0.08 (measured +0.173 and
+    +0.180 with seeds 0 and 1 with rounds sized from the keep rate; +0.148 and +0.178 with the former whole-batch
+    refills; the standard error of each estimate is about 0.025)."""
     args = toy_args(DAPOConfig, tmp_path, per_device_train_batch_size=16, max_steps=80, learning_rate=5e-4,
                     lr_scheduler_type="constant", logging_steps=10)
     trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)

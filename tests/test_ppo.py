@@ -135,7 +135,9 @@ def test_monte_carlo_returns_and_whitened_advantages(toy_model_dir, toy_dataset,
 def test_kl_in_reward_enters_the_token_rewards(toy_model_dir, toy_dataset, tmp_path):
     """gamma = lam = 1: R_t = r - coef * sum_{t' >= t} k1_t', k1 = log pi_old - log pi_ref (a reference that differs
     from the policy: the policy is perturbed after loading)."""
-    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, lam=1.0, kl_in_reward_coef=0.3)
+    # fp32: k1 takes the log-probs recorded by `generate` (fp32), recomputed below with a forward pass (bf16 under
+    # TRL's default autocast, 1e-2 apart)
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, lam=1.0, kl_in_reward_coef=0.3, bf16=False)
     with torch.no_grad():
         trainer.model.lm_head.weight.mul_(1.5)
     rewards = []

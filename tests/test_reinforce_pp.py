@@ -29,7 +29,10 @@ def logged_advantages(trainer, n):
 @pytest.mark.timeout(120)
 def test_reinforce_pp_batch_advantages_equal_pure_function(toy_model_dir, toy_dataset, tmp_path):
     coef = 0.05
-    args = toy_args(ReinforcePPConfig, tmp_path, beta=None, kl_in_reward_coef=coef, per_device_train_batch_size=16)
+    # fp32: the KL takes the log-probs recorded by `generate` (fp32), compared here with a forward pass (bf16 under
+    # TRL's default autocast, 1e-2 apart)
+    args = toy_args(ReinforcePPConfig, tmp_path, beta=None, kl_in_reward_coef=coef, per_device_train_batch_size=16,
+                    bf16=False)
     trainer = ReinforcePPTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
     perturb(trainer.model, seed=0, scale=0.05)  # KL(policy || reference) != 0
     out, rewards = scored_batch(trainer, toy_dataset)

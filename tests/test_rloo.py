@@ -53,7 +53,9 @@ def test_grpo_advantages_equal_trl_grpo_trainer(toy_model_dir, toy_dataset, tmp_
 
 # --------------------------------------------------------------------------------------------- (b) TRL's RLOO
 def make_pair(toy_model_dir, toy_dataset, tmp_path, **overrides):
-    common = dict(beta=0.05, **overrides)
+    # fp32: our KL takes the log-probs recorded by `generate` (fp32), TRL's a forward pass (bf16 under its default
+    # autocast, 1e-2 apart); in fp32 both are the same numbers
+    common = dict(beta=0.05, bf16=False, **overrides)
     ours = RLOOTrainer(toy_model_dir, addition_reward, args=toy_args(RLOOConfig, tmp_path / "ours", **common),
                        train_dataset=toy_dataset)
     theirs = trl.RLOOTrainer(toy_model_dir, addition_reward,

@@ -66,7 +66,8 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
                           train_dataset=toy_dataset)
     for attr in ("beta", "ref_model", "reward_weights", "num_generations", "num_generations_eval", "loss_type",
                  "max_completion_length", "importance_sampling_level", "_metrics", "_logs", "_tokenizer",
-                 "accelerator", "_buffered_inputs", "_step", "epsilon_low", "epsilon_high", "scale_rewards"):
+                 "accelerator", "_buffered_inputs", "_step", "epsilon_low", "epsilon_high", "scale_rewards",
+                 "temperature", "use_vllm", "use_transformers_continuous_batching", "rollout_func"):
         assert hasattr(trainer, attr), f"GRPOTrainer no longer has `{attr}`; trainers/base.py reads it"
     assert "advantages" in trainer._logs, "GRPOTrainer._logs['advantages'] is gone; base._log_advantages edits it"
     assert trainer._logs["advantages"].maxlen is not None
@@ -86,6 +87,19 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
     assert "self.num_generations < 2" in source, (
         "GRPOConfig.__post_init__ no longer refuses num_generations < 2 with `<`: re-check base._GroupOfOne, which "
         "lets REINFORCE++ and ReMax configs through with num_generations=1"
+    )
+    # the sampling log-probs recorded during `generate` (base._generate_single_turn -> generation.patched_generate)
+    # reach the rollout as TRL's `sampling_per_token_logps`
+    source = inspect.getsource(GRPOTrainer._generate_single_turn)
+    for needle in ("unwrapped_model.generate(", "return completion_ids, logprobs"):
+        assert needle in source, (
+            f"GRPOTrainer._generate_single_turn no longer contains {needle!r}: the generate wrapper of "
+            "trainers/base.py (ReMax's greedy rows, the recorded sampling log-probs) must be re-checked"
+        )
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source, (
+        "GRPOTrainer._generate_and_score_completions no longer stores `sampling_per_token_logps`: "
+        "VariantTrainer.sampling_logps (trainers/base.py) reads the generation's log-probs from there"
     )
     source = inspect.getsource(GRPOTrainer._compute_loss)
     for needle in ('inputs["advantages"]', "self.beta * per_token_kl", "self._get_per_token_logps_and_entropies(",

@@ -4,7 +4,11 @@
   gradient accumulation = steps_per_generation = 2, num_iterations = 2; prompts starting with "0" always score 1, so
   groups are dropped unevenly on the two processes. Checks, at every generation step: equal row counts on both
   processes, a full batch (generation_batch_size // G groups), every group one prompt with a reward spread; that
-  some round dropped a different number of rows on the two processes; at the end, identical weights.
+  some round dropped a different number of rows on the two processes; that some first round was over-sampled from
+  the keep-rate estimate (keep_rate_init = 0.6: the dataloader's split groups plus refill prompts in one round); at
+  the end, identical weights.
+Both modes: every round was sized identically on both processes (groups needed, estimate, prompts) and the
+  keep-rate estimators end equal.
 --mode exhaust: the reward is constant except on prompts starting with "0" and at most 2 rounds are allowed, so steps
   end exhausted; G = 2, steps_per_generation = 2 on 2 processes: the kept groups are rounded to a multiple of 2.
   Checks: the run finishes, every step has equal row counts, at least one step is exhausted, identical weights.
@@ -59,7 +63,7 @@ def main():
     if opts.mode == "uneven":
         G = 4
         args = DAPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
-                          num_iterations=2, max_steps=6, max_generation_rounds=8, **common)
+                          num_iterations=2, max_steps=6, max_generation_rounds=8, keep_rate_init=0.6, **common)
         reward = zero_prompts_always_right
     else:
         G = 2
@@ -95,6 +99,15 @@ def main():
         return out
 
     trainer._generate_and_score_completions = wrapped
+    sizing = []  # (groups needed, keep-rate estimate, prompts) of every round: the same on both processes
+    original_size = trainer._round_prompts
+
+    def size(needed):
+        count = original_size(needed)
+        sizing.append((needed, trainer.keep_rate, count))
+        return count
+
+    trainer._round_prompts = size
     trainer.train()
 
     problems = []
@@ -121,7 +134,16 @@ def main():
             problems.append(f"step {i}: non-finite advantages")
 
     logs = [h for h in trainer.state.log_history if "dapo/rounds" in h]
+    every_sizing = gather_object([sizing])
+    if every_sizing[0] != every_sizing[1]:
+        problems.append(f"round sizes differ across processes: {every_sizing}")
+    states = gather_object([trainer._keep_rate_state])
+    if states[0] != states[1]:
+        problems.append(f"keep-rate estimates differ across processes: {states}")
     if opts.mode == "uneven":
+        target = args.generation_batch_size // G
+        if not any(h["dapo/first_round_prompts"] > target for h in logs):  # 6 rows per process: groups split
+            problems.append(f"no first round was over-sampled: {[h['dapo/first_round_prompts'] for h in logs]}")
         uneven = False
         for n, spread in rounds:
             dropped_rows = (~spread).repeat_interleave(G)

@@ -25,7 +25,7 @@ from typing import ClassVar
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import checkpointing, guards, selection
+from .. import checkpointing, generation, guards, selection
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..losses import aggregate_token_loss, ppo_clip_policy_loss
 
@@ -34,7 +34,7 @@ TRL_PRIVATE_API = {
     "_calculate_rewards": ("self", "inputs", "prompts", "completions", "completion_ids_list"),
     "_generate_and_score_completions": ("self", "inputs"),
     "_compute_loss": ("self", "model", "inputs"),
-    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),
+    "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),  # base, ReMax
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
     "_prepare_inputs": ("self", "generation_batch"),
     "_save_checkpoint": ("self", "model", "trial"),
@@ -44,6 +44,10 @@ TRL_PRIVATE_API = {
     "_save": ("self", "output_dir", "state_dict"),  # PPO (value model)
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # PPO (value model)
 }
+
+
+#: values of `VariantConfig.sampling_logps_source`
+SAMPLING_LOGPS_SOURCES = ("generate", "forward")
 
 
 def check(condition: bool, field_name: str, expected: str, value) -> None:
@@ -106,6 +110,16 @@ class VariantConfig(GRPOConfig):
             `steps_per_generation * num_iterations` to be a multiple of `gradient_accumulation_steps` (otherwise an
             optimizer step would span generation batches not generated yet): other layouts are refused with a
             token-level loss.
+        sampling_logps_source (`str`, *optional*, defaults to `"generate"`):
+            Where the KL in the reward takes the sampling policy's log-probs `log pi_old(y_t)` from, when TRL has not
+            computed them anyway (it does with vLLM's importance-sampling correction and with `steps_per_generation
+            x num_iterations` not dividing `gradient_accumulation_steps`). `"generate"`: recorded during HF
+            `generate` (the raw logits / `temperature`, before any logits processor or top-k/top-p warping), or
+            vLLM's own log-probs; no extra forward pass. `"forward"`: one more no-grad forward pass of the policy
+            over the batch, as TRL computes them. In fp32 on CPU both agree to 1e-5; on a GPU `generate`'s
+            KV-cached bf16 kernels differ slightly from the training forward (the same training/inference mismatch
+            TRL accepts for vLLM's log-probs); vLLM's are its processed log-probs, renormalised after top-k/top-p
+            when those are set. Without a KL in the reward it changes nothing.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -132,6 +146,15 @@ class VariantConfig(GRPOConfig):
                           "DAPO Eq. 12) or by the generation batch's average per step ('generation_batch', TRL's)."},
     )
 
+    sampling_logps_source: str = field(
+        default="generate",
+        metadata={
+            "help": "Sampling log-probs for the KL in the reward: 'generate' (recorded while generating, or vLLM's; "
+            "no extra forward pass; on GPU generate's bf16 kernels differ slightly from the training forward, as "
+            "vLLM's do) or 'forward' (one more no-grad policy forward pass, TRL's numbers)."
+        },
+    )
+
     #: `multi_objective_aggregation` values this config's estimator gives a meaning to (GRPO-advantage configs add
     #: "normalize_then_sum")
     multi_objective_aggregations: ClassVar[tuple[str, ...]] = ("sum_then_normalize",)
@@ -155,6 +178,8 @@ class VariantConfig(GRPOConfig):
         check(self.kl_in_reward_estimator in KL_KINDS, "kl_in_reward_estimator", f"one of {KL_KINDS}",
               self.kl_in_reward_estimator)
         check(self.kl_loss_estimator in KL_KINDS, "kl_loss_estimator", f"one of {KL_KINDS}", self.kl_loss_estimator)
+        check(self.sampling_logps_source in SAMPLING_LOGPS_SOURCES, "sampling_logps_source",
+              f"one of {SAMPLING_LOGPS_SOURCES}", self.sampling_logps_source)
         check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
         check(self.epsilon >= 0, "epsilon", "a number >= 0", self.epsilon)
         if self.epsilon_high is not None:
@@ -225,6 +250,7 @@ class VariantTrainer(GRPOTrainer):
         self.kl_in_reward_coef = float(getattr(args, "kl_in_reward_coef", 0.0) or 0.0)
         self.kl_loss_estimator = getattr(args, "kl_loss_estimator", "k3")
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
+        self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
         if args is not None and self.needs_reference and args.beta == 0.0:
             args.beta = 1.0  # only so that TRL loads the reference model; restored below
@@ -315,6 +341,43 @@ class VariantTrainer(GRPOTrainer):
                 raise RuntimeError("normalize_then_sum needs `advantage_rewards_per_func` of the same rows")
             return normalize_then_sum_advantages(per_func, self.reward_weights.to(per_func.device), group_size)
         return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
+    # -------------------------------------------------------------------------------------------- generation
+    def generation_logits_processors(self) -> list:
+        """Logits processors to add to the next HF `generate` call of `_generate_single_turn` (ReMax: its greedy
+        rows); [] by default. A non-empty list makes any other generation backend an error."""
+        return []
+
+    def records_sampling_logps(self) -> bool:
+        """Whether HF `generate` records the sampling log-probs (only the KL in the reward reads them)."""
+        return self.kl_in_reward_coef != 0.0 and self.sampling_logps_source == "generate"
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        # Every change to TRL's HF `generate` call goes through one wrapper (generation.patched_generate): ReMax's
+        # greedy rows and the sampling log-probs that spare the KL in the reward a forward pass.
+        processors = self.generation_logits_processors()
+        hf_generate = not self.use_vllm and not self.use_transformers_continuous_batching
+        record = hf_generate and self.records_sampling_logps()
+        if processors and not hf_generate:
+            raise RuntimeError(f"{type(self).__name__}: logits processors need HF `generate` (not vLLM or "
+                               "transformers continuous batching)")
+        if not (processors or record):  # vLLM returns its own log-probs; continuous batching none (forward)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        target = self.accelerator.unwrap_model(self.model_wrapped)
+        temperature = self.temperature if record else None
+        with generation.patched_generate(target, processors, temperature) as calls:
+            completion_ids, logprobs = super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        if processors and not calls:
+            raise RuntimeError(
+                f"{type(self).__name__}: TRL's _generate_single_turn no longer calls model.generate, so the logits "
+                f"processors {[type(p).__name__ for p in processors]} were not applied. This TRL version is not "
+                "supported."
+            )
+        if record:
+            logprobs = generation.rows_to_lists(calls[0] if len(calls) == 1 else None, completion_ids)
+        return completion_ids, logprobs
 
     # -------------------------------------------------------------------------------------------- the seam
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -464,31 +527,47 @@ class VariantTrainer(GRPOTrainer):
         slices = torch.tensor([(first + j) % spg for j in range(accum)], device=totals.device)
         step_totals = totals[slices].sum(dim=0) * (spg / accum)
         return {key: step_totals[i] for i, key in enumerate(keys)}
+    def sampling_logps(self, output: dict) -> torch.Tensor:
+        """The sampling policy's per-token log-probs of this process's rollout rows, (B, T), for the KL in the reward.
+
+        In order: TRL's `old_per_token_logps` when it computed them (importance sampling: the training forward's
+        numbers); else, with `sampling_logps_source="generate"`, those of the generation (`sampling_per_token_logps`:
+        recorded during HF `generate` by `_generate_single_turn`, or vLLM's), when every loss token has one; else one
+        no-grad forward pass of the policy (TRL's `_get_per_token_logps_and_entropies`), the documented fallback.
+        """
+        old = output.get("old_per_token_logps")
+        if old is not None:
+            return old
+        sampled = output.get("sampling_per_token_logps")
+        if self.sampling_logps_source == "generate" and sampled is not None:
+            mask = selection.loss_mask(output).bool()
+            usable = sampled.shape == mask.shape and not torch.isnan(sampled[mask]).any()
+            # one decision for every process: the fallback forward is a collective under ZeRO-3 / FSDP
+            if self.accelerator.gather(torch.tensor([usable], device=sampled.device)).all():
+                return torch.where(mask, sampled, torch.zeros_like(sampled))
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad():
+            old, _, _ = super()._get_per_token_logps_and_entropies(
+                self.model, input_ids, attention_mask, output["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size if self.model.training
+                else self.args.per_device_eval_batch_size,
+            )
+        return old
 
     def reference_kl(self, output: dict) -> torch.Tensor | None:
         """Per-token KL(pi_old || ref) with `kl_in_reward_estimator`, for KL-in-reward estimators. Local (B, T).
 
-        Uses the sampling-time policy log-probs (REINFORCE++ Eq. 5 and RLOO take the KL of the policy that sampled).
-        TRL skips computing them when generation and optimisation are aligned (then they equal the current
-        policy's), so they are computed here in that case, without grad. Returns the KL times the loss mask
-        (`completion_mask`, times `tool_mask` when present: tool output is not sampled by the policy), or None when
-        `kl_in_reward_coef == 0`.
+        Uses the sampling-time policy log-probs (REINFORCE++ Eq. 5 and RLOO take the KL of the policy that sampled;
+        see `sampling_logps` for where they come from). Returns the KL times the loss mask (`completion_mask`, times
+        `tool_mask` when present: tool output is not sampled by the policy), or None when `kl_in_reward_coef == 0`.
         """
         if self.kl_in_reward_coef == 0.0:
             return None
         for key in selection.UNSUPPORTED_KEYS:
             if key in output:
                 raise NotImplementedError(f"KL in the reward does not support multimodal rollouts yet ('{key}')")
-        old = output.get("old_per_token_logps")
-        if old is None:
-            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            with torch.no_grad():
-                old, _, _ = super()._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size if self.model.training
-                    else self.args.per_device_eval_batch_size,
-                )
+        old = self.sampling_logps(output)
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
         mask = selection.loss_mask(output)
         kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
@@ -512,6 +591,9 @@ class VariantTrainer(GRPOTrainer):
         kl = self.reference_kl(output)
         if kl is not None:
             output["kl_in_reward"] = kl
+        if self.records_sampling_logps() and not self.use_vllm and self.rollout_func is None:
+            # recorded for the KL only: TRL's loss (off-policy mask) then sees what it sees without them
+            output.pop("sampling_per_token_logps", None)
         global_batch = None
         if self.needs_global_batch or kl is not None:
             needed = {key: output[key] for key in self.global_batch_keys if key in output}

@@ -1,0 +1,167 @@
+"""The one wrapper through which a trainer changes an HF `generate` call: extra logits processors (ReMax's greedy
+rows) and the sampling-time log-probabilities of the sampled tokens, recorded during the call.
+
+Why record them. The estimators with a KL in the reward (RLOO with `beta > 0`, REINFORCE++, ReMax/TTRL with
+`kl_in_reward_coef`, PPO, VAPO) need `log pi_old(y_t)`, the log-probability of every sampled token under the policy
+that sampled it. vLLM returns them (TRL keeps them for its importance-sampling correction); HF `generate` returns
+none, so the trainers ran one more no-grad forward pass of the policy over the whole batch to get them. Here they
+are taken from the forward passes `generate` runs anyway.
+
+What is recorded: `log_softmax(z_t / T)[y_t]`, with `z_t` the model's raw logits at step t (before every logits
+processor: repetition penalty, no-repeat n-grams, min length, ...; before temperature, top-k, top-p and min-p
+warping) and `T` the trainer's `temperature`. That is what `GRPOTrainer._get_per_token_logps_and_entropies`
+computes on the full sequence (TRL's fused LM head divides the logits by the temperature and takes the log-softmax
+over the whole vocabulary), so on the same kernels the two agree to float rounding (tested to 1e-5 in fp32 on CPU).
+On a GPU they differ as much as the KV-cached decoding kernels of `generate` differ from the training forward
+(bf16 matmuls in another order): the same training/inference mismatch that TRL accepts for vLLM's log-probs.
+
+How. transformers runs the user's logits processors *after* its own (repetition penalty, ...), so a processor only
+sees penalised scores. Two pieces work together:
+
+- a forward hook on the model keeps a float32 copy of the last position's logits of the newest forward pass
+  (B x V; only the newest is kept);
+- a logits processor that changes nothing serves as the step clock: `generate` calls it once per decoding step,
+  right after that step's forward pass, with `input_ids` whose last column is the token sampled at the previous step.
+  It pairs that token with the logits kept at the previous step. The last token is paired after `generate` returns.
+
+Memory: two (B, V) float32 tensors at a time plus (B,) per step; never (B, T, V) (unlike `output_scores` or
+`output_logits`). A self-check compares the tokens paired during the call with the returned sequences: any
+disagreement (beam search, assisted decoding, a model whose forward returns no `logits`, a compiled forward that
+skips the hook) gives up the recording for that call (NaN), and the trainer falls back to the forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`log_softmax(logits / temperature)[tokens]` in float32: (B, V), (B,) -> (B,)."""
+    z = logits.to(torch.float32) / temperature
+    return z.gather(1, tokens.long().unsqueeze(1)).squeeze(1) - torch.logsumexp(z, dim=-1)
+
+
+class SamplingLogpsRecorder(LogitsProcessor):
+    """Records `token_logps(raw logits of step t, token sampled at step t, temperature)` during one `generate` call.
+
+    Used as both a forward hook (`hook`) on the module that returns the logits and a logits processor (the step
+    clock: `__call__` returns the scores unchanged). `finish(sequences, prompt_width)` gives the (B, n) log-probs of
+    the n generated columns, or None when the recording is inconsistent (see the module docstring).
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = float(temperature)
+        self._latest = None  # (B, V) logits of the newest forward pass, not yet claimed by a step
+        self._previous = None  # (B, V) logits of the step whose token is sampled but not yet seen
+        self._logps = []  # (B,) per step
+        self._tokens = []  # (B,) per step: the tokens the log-probs are of, checked against the output
+        self.broken = False
+
+    def hook(self, module, args, output):
+        logits = getattr(output, "logits", None)
+        if logits is None or logits.dim() != 3:
+            self.broken = True
+            return
+        # a copy: a view would keep the whole (B, L, V) prefill logits alive
+        self._latest = logits[:, -1].detach().to(torch.float32, copy=True)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._previous is not None:
+            self._pair(self._previous, input_ids[:, -1])
+        elif self._logps:  # a step whose forward pass the hook did not see
+            self.broken = True
+        if self._latest is None or self._latest.shape[0] != input_ids.shape[0]:
+            self.broken = True
+        self._previous, self._latest = self._latest, None
+        return scores
+
+    def _pair(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        tokens = tokens.to(logits.device)
+        self._logps.append(token_logps(logits, tokens, self.temperature))
+        self._tokens.append(tokens)
+
+    def finish(self, sequences: torch.Tensor, prompt_width: int) -> torch.Tensor | None:
+        """(B, n) log-probs of `sequences[:, prompt_width:]` (float32), or None when they cannot be trusted."""
+        generated = sequences[:, prompt_width:]
+        n = generated.shape[1]
+        if len(self._logps) == n - 1 and self._previous is not None:  # the last step's token is known only now
+            self._pair(self._previous, generated[:, -1])
+        self._previous = self._latest = None
+        # more steps than columns: `generate` undid speculative steps (deferred stop checks); they are dropped
+        if self.broken or len(self._logps) < n:
+            return None
+        if n == 0:
+            return torch.zeros(generated.shape, dtype=torch.float32, device=generated.device)
+        tokens = torch.stack(self._tokens[:n], dim=1)
+        if tokens.shape != generated.shape or not torch.equal(tokens, generated.to(tokens.device)):
+            return None  # rows were reordered or replaced (beam search, assisted decoding, ...)
+        return torch.stack(self._logps[:n], dim=1)
+
+
+def logits_module(model) -> torch.nn.Module:
+    """The module whose forward returns the logits during `model.generate` (PEFT's `generate` runs the base model's
+    forward, not the wrapper's)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+@contextlib.contextmanager
+def patched_generate(model, processors=(), temperature: float | None = None):
+    """Route `model.generate` through extra logits `processors` and, when `temperature` is given, record the
+    sampling-time log-probs (`SamplingLogpsRecorder`), for the duration of the block.
+
+    TRL 1.16 has no config route for a logits processor (`GenerationConfig` refuses one, `generation_kwargs` is not
+    forwarded on transformers 5), and `GRPOTrainer._generate_single_turn` calls `unwrapped_model.generate(...)`
+    itself. Shadowing the bound method with an instance attribute touches this one model object only, and the
+    attribute is removed on exit, whatever happens. Yields a list that gets one entry per `generate` call: the
+    recorded (B, n) log-probs of the generated columns, or None (not asked for, or not trustworthy). A caller can
+    tell from its length that TRL stopped calling `generate` (the processors were then not applied).
+    """
+    had_own = "generate" in model.__dict__
+    own = model.__dict__.get("generate")
+    inner = model.generate
+    calls = []
+
+    def generate(*args, **kwargs):
+        merged = LogitsProcessorList(kwargs.pop("logits_processor", None) or [])
+        merged.extend(processors)
+        recorder = handle = None
+        if temperature is not None:
+            recorder = SamplingLogpsRecorder(temperature)
+            merged.append(recorder)
+            handle = logits_module(model).register_forward_hook(recorder.hook)
+        try:
+            out = inner(*args, logits_processor=merged, **kwargs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        logps = None
+        if recorder is not None:
+            sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+            input_ids = kwargs.get("input_ids", args[0] if args else None)
+            if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
+                logps = recorder.finish(sequences, input_ids.shape[1])
+        calls.append(logps)
+        return out
+
+    model.__dict__["generate"] = generate
+    try:
+        yield calls
+    finally:
+        if had_own:
+            model.__dict__["generate"] = own
+        else:
+            del model.__dict__["generate"]
+
+
+def rows_to_lists(logps: torch.Tensor | None, completion_ids: list[list[int]]) -> list[list[float]]:
+    """The recorded (B, n) log-probs cut to each completion's length (TRL cuts the ids after the first EOS), as the
+    lists TRL's generation returns; NaN rows when nothing trustworthy was recorded (the trainer then falls back to
+    the forward pass, and TRL's tool loop can still append to them)."""
+    if logps is None or logps.shape[0] != len(completion_ids):
+        return [[float("nan")] * len(ids) for ids in completion_ids]
+    rows = logps.cpu().tolist()
+    return [row[: len(ids)] for row, ids in zip(rows, completion_ids)]
