@@ -307,6 +307,11 @@ class StepRewardFields:
     `ReinforcePPConfig` (REINFORCE++ only, not the baseline variant). Step reward functions themselves are passed to
     the trainer, `step_reward_funcs=[...]`, next to TRL's `reward_funcs`.
 
+    Refused with a one-line error: an empty `step_separator`, an unknown `process_reward_model_style`, an empty
+    `process_reward_model_step_tag` (or one the PRM's tokenizer encodes to nothing), a local
+    `process_reward_model_path` that does not exist, a PRM with other than 1 or 2 labels, a remote-code PRM without
+    `trust_remote_code=True`, and any step source where the configuration cannot use it (`baseline=True`).
+
     Parameters:
         step_separator (`str`, *optional*, defaults to `"\n\n"`):
             The text that ends a step of a completion (a blank line by default). Steps are
