@@ -226,6 +226,16 @@ def test_grpo_process_seed_example():
     # output the last step's tokens do NOT get the largest advantage, and the first step's get 0 (normalised sum)
     assert out[0, 6] == pytest.approx(normed[3], abs=1e-6) and out[0, 4] > out[0, 6]
     assert out[0, 0] == pytest.approx(0.0, abs=1e-5)
+    # beside a sibling that scores better (group mean step reward 0.675 > 0.5), the third step's normalised reward is
+    # negative and the last step's tokens get the largest advantage of the example's output
+    sibling = [0.8, 0.9, 0.9, 1.0]
+    group = rewards + sibling
+    mean = sum(group) / 8
+    std = math.sqrt(sum((r - mean) ** 2 for r in group) / 7)
+    normed = [(r - mean) / (std + EPS) for r in rewards]
+    out = grpo_process_advantages(t([rewards, sibling]), torch.tensor([[1, 3, 5, 7]] * 2), torch.ones(2, 8), 2)
+    close(out[0], [sum(normed[j:]) for j in (0, 0, 1, 1, 2, 2, 3, 3)], atol=1e-5)
+    assert out[0].argmax() >= 6 and normed[2] < 0
 
 
 def test_grpo_process_ragged_group_hand_computed():
