@@ -29,7 +29,19 @@ TRAINER_SPECS = {
     "vapo_pretrain": ("trl_ppo_variants.trainers.vapo", "VAPOConfig", "VAPOTrainer", {"value_pretrain_steps": 3},
                       True),
     "ttrl": ("trl_ppo_variants.trainers.ttrl", "TTRLConfig", "TTRLTrainer", {"n_votes": 4, "n_train": 2}, False),
+    # the digits task's per-digit step reward (steps split on ", ") besides addition_reward
+    "process_grpo": ("trl_ppo_variants.trainers.process_grpo", "ProcessGRPOConfig", "ProcessGRPOTrainer",
+                     {"step_separator": ", "}, True),
 }
+
+
+def trainer_kwargs(name) -> dict:
+    """Trainer arguments of a spec besides the reward functions (the step reward functions of process GRPO)."""
+    if name == "process_grpo":
+        from trl_ppo_variants.toy import digit_step_rewards
+
+        return {"step_reward_funcs": [digit_step_rewards]}
+    return {}
 
 
 def load_spec(name):
@@ -70,7 +82,7 @@ def make_trainer(name, model_dir, tmp_path, out, reward=None, callbacks=None, da
     args = toy_args(config_cls, tmp_path, output_dir=str(tmp_path / out), **spec_overrides)
     funcs = reward if reward is not None else (addition_reward if with_reward else None)
     return trainer_cls(model_dir, funcs, args=args, train_dataset=dataset or addition_dataset(64, seed=0),
-                       callbacks=callbacks)
+                       callbacks=callbacks, **trainer_kwargs(name))
 
 
 def modules_state(trainer) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from trl_ppo_variants.advantages import (
     gae,
     grpo_advantages,
+    grpo_process_advantages,
     group_view,
     kl_estimate,
     length_adaptive_lambda,
@@ -23,6 +24,7 @@ from trl_ppo_variants.advantages import (
     remax_advantages,
     rloo_advantages,
     token_rewards_from_outcome,
+    token_rewards_from_steps,
 )
 
 NAN = float("nan")
@@ -221,6 +223,104 @@ def test_token_rewards_from_outcome_hand_computed():
     close(token_rewards_from_outcome(rewards, mask), [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
 
 
+def test_token_rewards_from_steps_hand_computed():
+    step_rewards = t([[0.5, 2.0, NAN], [1.0, -1.0, 3.0], [NAN, NAN, NAN]])
+    step_ends = torch.tensor([[1, 3, 99], [0, 2, 3], [7, 7, 7]])  # 99 and 7 sit where the reward is NaN: ignored
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 1], [1, 1, 1, 1]])
+    out = token_rewards_from_steps(step_rewards, step_ends, mask)
+    # row 1: the step ending on masked token 2 is credited to token 0, the last valid token at or before it
+    close(out, [[0.0, 0.5, 0.0, 2.0], [1.0 - 1.0, 0.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0]])
+    # a step ending before any valid token has no action to credit: dropped; two steps may end on one token
+    out = token_rewards_from_steps(t([[4.0, 1.0, 2.0]]), torch.tensor([[0, 2, 2]]), torch.tensor([[0, 1, 1]]))
+    close(out, [[0.0, 0.0, 3.0]])
+    with pytest.raises(ValueError, match="step_ends must lie in"):
+        token_rewards_from_steps(t([[1.0]]), torch.tensor([[4]]), torch.ones(1, 4))
+    with pytest.raises(ValueError, match="must both have shape"):
+        token_rewards_from_steps(t([[1.0, 2.0]]), torch.tensor([[1]]), torch.ones(1, 4))
+
+
+# --------------------------------------------------------------------------------------------- process GRPO
+def test_grpo_process_seed_example():
+    """The seed chapter's example (3.4.1): one output whose steps the PRM grades 0.1, 0.2, 0.5, 1.0, two tokens per
+    step. "After normalization, the final token reward is highest, and earlier tokens see the sum of their own and
+    future rewards." The normalisation is over the group's step rewards (here the four of this output)."""
+    rewards = [0.1, 0.2, 0.5, 1.0]
+    mean = sum(rewards) / 4  # 0.45
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / 3)  # sample std, sqrt(0.49 / 3)
+    normed = [(r - mean) / (std + EPS) for r in rewards]  # -0.866, -0.619, 0.124, 1.361
+    out = grpo_process_advantages(t([rewards]), torch.tensor([[1, 3, 5, 7]]), torch.ones(1, 8), group_size=1)
+    expected = [sum(normed[j:]) for j in (0, 0, 1, 1, 2, 2, 3, 3)]
+    close(out, [expected], atol=1e-5)
+    assert max(normed) == normed[-1]  # the final step's normalised reward is the highest
+    # its tokens' advantage is that reward alone; the third step's tokens add their own (positive) one: with a single
+    # output the last step's tokens do NOT get the largest advantage, and the first step's get 0 (normalised sum)
+    assert out[0, 6] == pytest.approx(normed[3], abs=1e-6) and out[0, 4] > out[0, 6]
+    assert out[0, 0] == pytest.approx(0.0, abs=1e-5)
+    # beside a sibling that scores better (group mean step reward 0.675 > 0.5), the third step's normalised reward is
+    # negative and the last step's tokens get the largest advantage of the example's output
+    sibling = [0.8, 0.9, 0.9, 1.0]
+    group = rewards + sibling
+    mean = sum(group) / 8
+    std = math.sqrt(sum((r - mean) ** 2 for r in group) / 7)
+    normed = [(r - mean) / (std + EPS) for r in rewards]
+    out = grpo_process_advantages(t([rewards, sibling]), torch.tensor([[1, 3, 5, 7]] * 2), torch.ones(2, 8), 2)
+    close(out[0], [sum(normed[j:]) for j in (0, 0, 1, 1, 2, 2, 3, 3)], atol=1e-5)
+    assert out[0].argmax() >= 6 and normed[2] < 0
+
+
+def test_grpo_process_ragged_group_hand_computed():
+    # one group of 2 outputs: output 0 has steps (1, 0) ending at tokens 1 and 3, its token 4 is padding; output 1 has
+    # one step (1) ending at token 2, its second slot is NaN (its end, 99, is ignored), tokens 3-4 are padding.
+    step_rewards = t([[1.0, 0.0], [1.0, NAN]])
+    step_ends = torch.tensor([[1, 3], [2, 99]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
+    # the group's step rewards {1, 0, 1}: mean 2/3, sample std sqrt(((1/3)^2 * 2 + (2/3)^2) / 2) = sqrt(1/3)
+    std = math.sqrt(1 / 3)
+    hi, lo = (1 / 3) / (std + EPS), (-2 / 3) / (std + EPS)
+    out = grpo_process_advantages(step_rewards, step_ends, mask, group_size=2)
+    close(out, [[hi + lo, hi + lo, lo, lo, 0.0], [hi, hi, hi, 0.0, 0.0]], atol=1e-6)
+
+
+def test_grpo_process_zero_cases():
+    mask = torch.ones(6, 3)
+    ends = torch.tensor([[0, 2]] * 6)
+    step_rewards = t([
+        [1.0, 2.0], [NAN, NAN], [3.0, 0.0],  # group 0: output 1 has no step reward -> 0; the others are normalised
+        [NAN, NAN], [5.0, NAN], [NAN, NAN],  # group 1: a single step reward -> no std -> 0
+    ])
+    out = grpo_process_advantages(step_rewards, ends, mask, group_size=3)
+    assert torch.equal(out[1], torch.zeros(3)) and torch.equal(out[3:], torch.zeros(3, 3))
+    assert out[0].abs().sum() > 0 and out[2].abs().sum() > 0
+    equal = grpo_process_advantages(t([[2.0, 2.0]] * 6), ends, mask, group_size=3)  # all equal: no ranking signal
+    assert torch.equal(equal, torch.zeros(6, 3))
+    assert torch.equal(grpo_process_advantages(torch.zeros(6, 0), torch.zeros(6, 0, dtype=torch.long), mask, 3),
+                       torch.zeros(6, 3))
+    with pytest.raises(ValueError, match="not a multiple of group_size"):
+        grpo_process_advantages(step_rewards, ends, mask, group_size=4)
+    with pytest.raises(ValueError, match="step_ends must lie in"):
+        grpo_process_advantages(step_rewards, ends + 1, mask, group_size=3)
+
+
+def test_grpo_process_masked_step_end_and_tokens_after_the_last_step():
+    # tokens 0, 2, 3 are valid; the first step ends on masked token 1, the second at token 2; token 3 comes after the
+    # last step end: 0. Group of 2 outputs, the second with one step of reward 0.
+    rewards = t([[2.0, 1.0], [0.0, NAN]])
+    mask = torch.tensor([[1, 0, 1, 1], [1, 1, 1, 1]])
+    out = grpo_process_advantages(rewards, torch.tensor([[1, 2], [3, 0]]), mask, group_size=2)
+    mean, std = 1.0, 1.0  # {2, 1, 0}
+    a, b, c = (2 - mean) / (std + EPS), (1 - mean) / (std + EPS), (0 - mean) / (std + EPS)
+    close(out, [[a + b, 0.0, b, 0.0], [c, c, c, c]], atol=1e-6)
+
+
+def test_grpo_process_with_one_step_per_output_is_grpo():
+    """One step per output ending at its last token: the group's statistics are GRPO's, so is every advantage."""
+    rewards = t([1.0, 0.0, 2.0, 3.0, 3.0, NAN])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    last = (mask.cumsum(1) == mask.sum(1, keepdim=True)).long().argmax(1)
+    out = grpo_process_advantages(rewards.unsqueeze(1), last.unsqueeze(1), mask, group_size=3)
+    close(out, grpo_advantages(rewards, 3).unsqueeze(1) * mask, atol=1e-6)
+
+
 # --------------------------------------------------------------------------------------------- REINFORCE++
 RPP_MASK = torch.tensor([[1, 1, 1], [1, 1, 0]])
 RPP_KL = t([[0.1, 0.2, 0.3], [0.4, 0.5, 99.0]])  # 99 sits at a masked position
@@ -259,6 +359,19 @@ def test_reinforce_pp_nan_rows_and_masked_values():
     garbage = kl.clone()
     garbage[mask == 0] = NAN
     assert torch.equal(reinforce_pp_advantages(t([1.0, 0.0, NAN]), mask, kl=garbage, kl_coef=0.5), base)
+
+
+def test_reinforce_pp_with_step_token_rewards_hand_computed():
+    # row 0: outcome 1 at token 2 plus a step reward 0.5 at token 0; row 1: outcome 0, step reward -1 at token 1.
+    step = token_rewards_from_steps(t([[0.5], [-1.0]]), torch.tensor([[0], [1]]), RPP_MASK)
+    # token rewards with the k1 KL: row 0 [-0.05 + 0.5, -0.1, -0.15 + 1], row 1 [-0.2, -0.25 - 1]; returns:
+    returns = [1.2, 0.75, 0.85, -1.45, -1.25]
+    w = whiten_by_hand(returns)
+    out = reinforce_pp_advantages(t([1.0, 0.0]), RPP_MASK, kl=RPP_KL, kl_coef=0.5, token_rewards=step)
+    close(out, [[w[0], w[1], w[2]], [w[3], w[4], 0.0]], atol=1e-5)
+    # NaN rows stay unscorable whatever their step rewards (the trainers turn such an outcome into 0 first)
+    out = reinforce_pp_advantages(t([1.0, NAN]), RPP_MASK, token_rewards=step)
+    assert torch.equal(out[1], torch.zeros(3))
 
 
 # --------------------------------------------------------------------------------------------- REINFORCE++-baseline

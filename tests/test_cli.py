@@ -266,6 +266,36 @@ def test_gsm8k_map_and_system_prompt(tmp_path):
     assert math_accuracy(["so \\boxed{1234}", "1,234", "1233"], answer=["1234"] * 3) == [1.0, 1.0, 0.0]
 
 
+def test_step_reward_funcs_only_where_the_config_takes_them(tmp_path, toy_model_dir, toy_jsonl, capsys,
+                                                            no_model_load):
+    steps = ["--step_reward_funcs", "trl_ppo_variants.toy:digit_step_rewards"]
+    _one_line_error(capsys, cli.main(["rloo", *_base(toy_model_dir, toy_jsonl, tmp_path), *steps]),
+                    "step_reward_funcs: expected none for rloo (step rewards are taken by reinforce_pp, ppo, vapo, "
+                    "process_grpo)")
+    _one_line_error(capsys, cli.main(["process_grpo", *_base(toy_model_dir, toy_jsonl, tmp_path),
+                                      "--step_reward_funcs", "no_such_step_reward"]),
+                    "unknown reward function 'no_such_step_reward'")
+    data = tmp_path / "no_answer.jsonl"  # a step function needing an absent column is named under its own field
+    data.write_text('{"prompt": "1+2="}\n' * 8)
+    args = _base(toy_model_dir, str(data), tmp_path)
+    del args[args.index("--reward_funcs") : args.index("--reward_funcs") + 2]
+    _one_line_error(capsys, cli.main(["process_grpo", *args, *steps]),
+                    "step_reward_funcs: 'trl_ppo_variants.toy:digit_step_rewards' needs the dataset column 'answer'")
+
+
+def test_process_grpo_trains_from_step_rewards_alone(tmp_path, toy_model_dir, toy_jsonl, capsys):
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    del args[args.index("--reward_funcs") : args.index("--reward_funcs") + 2]  # no outcome reward at all
+    code = cli.main(["process_grpo", *args, "--step_reward_funcs", "trl_ppo_variants.toy:digit_step_rewards",
+                     "--step_separator", "1", "--logging_steps", "1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert "trained process_grpo for 1 steps" in captured.out
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "trained with **GRPO with process supervision**" in card and "arXiv:2402.03300" in card
+    assert "`rewards/digit_step_rewards/mean`" in card
+
+
 # ------------------------------------------------------------------------------------------------ a real run
 def test_cli_trains_saves_and_writes_the_card(tmp_path, toy_model_dir, toy_jsonl, capsys):
     """`python -m trl_ppo_variants rloo ...` in a fresh process: trains, saves the model and our model card."""

@@ -70,6 +70,13 @@ CASES = [
     # needs the model: the toy model's context is 256 positions
     ("rloo", {"max_completion_length": 256}, "max_completion_length"),
     ("ppo", {"value_model_path": "/nonexistent/critic"}, "value_model_path"),
+    # step rewards (process supervision)
+    ("process_grpo", {"kl_in_reward_coef": 0.1}, "kl_in_reward_coef"),
+    ("process_grpo", {"step_separator": ""}, "step_separator"),
+    ("process_grpo", {"process_reward_model_style": "math-shepherd"}, "process_reward_model_style"),
+    ("process_grpo", {"process_reward_model_step_tag": ""}, "process_reward_model_step_tag"),
+    ("ppo", {"process_reward_model_path": "/nonexistent/prm"}, "process_reward_model_path"),
+    ("reinforce_pp_baseline", {"process_reward_model_path": "."}, "process_reward_model_path"),
 ]
 
 

@@ -16,7 +16,8 @@ from trl_ppo_variants import cli
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 ACCELERATE = RECIPES / "accelerate"
-RECIPE_ALGOS = ["remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl"]
+RECIPE_ALGOS = ["remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
+                "process_grpo"]
 CPU = ["--use_cpu", "true", "--bf16", "false"]
 
 
@@ -80,6 +81,9 @@ def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
         assert train.baseline and train.kl_loss_estimator == "k2"
     if algo in ("reinforce_pp", "remax"):  # REINFORCE++: one sample per prompt; ReMax: one sample plus the greedy one
         assert train.num_generations == 1
+    if algo == "process_grpo":  # the PRM's own step convention and the paper's KL
+        assert train.step_separator == "\n\n" and train.process_reward_model_style == "qwen2.5-math-prm"
+        assert (train.beta, train.learning_rate, train.loss_type) == (0.04, 1e-6, "grpo")
 
 
 def test_wrong_field_name_in_a_recipe_is_an_error(tmp_path):
@@ -163,6 +167,12 @@ def tiny_overrides(algo, model_dir, data, out):
         args += ["--reward_funcs", "trl_ppo_variants.toy:addition_reward", "--num_generations", "4"]
     if algo == "vapo":
         args += ["--value_pretrain_steps", "1"]
+    if algo == "process_grpo":  # the recipe's 7B PRM swapped for a tiny random one, its steps for the toy's
+        from trl_ppo_variants.toy import make_toy_prm
+
+        prm = make_toy_prm(os.path.join(os.path.dirname(out), "toy_prm"))
+        args += ["--process_reward_model_path", prm, "--process_reward_model_style", "trl",
+                 "--trust_remote_code", "false", "--step_separator", "1"]
     return args
 
 

@@ -28,6 +28,8 @@ _EXPORTS = {
     "VAPOTrainer": "trainers.vapo",
     "TTRLConfig": "trainers.ttrl",
     "TTRLTrainer": "trainers.ttrl",
+    "ProcessGRPOConfig": "trainers.process_grpo",
+    "ProcessGRPOTrainer": "trainers.process_grpo",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,6 +18,7 @@ import torch
 __all__ = [
     "grpo_advantages",
     "normalize_then_sum_advantages",
+    "grpo_process_advantages",
     "rloo_advantages",
     "remax_advantages",
     "reinforce_pp_advantages",
@@ -28,6 +29,7 @@ __all__ = [
     "gae",
     "length_adaptive_lambda",
     "token_rewards_from_outcome",
+    "token_rewards_from_steps",
     "group_view",
 ]
 
@@ -126,6 +128,44 @@ def normalize_then_sum_advantages(
     batch_std = _nan_std(summed) if n > 1 else torch.zeros((), dtype=summed.dtype, device=summed.device)
     advantages = (summed - torch.nanmean(summed)) / (batch_std + eps)
     return torch.nan_to_num(advantages, nan=0.0)
+
+
+def grpo_process_advantages(
+    step_rewards: torch.Tensor, step_ends: torch.Tensor, mask: torch.Tensor, group_size: int, eps: float = 1e-4
+) -> torch.Tensor:
+    """GRPO with process supervision (DeepSeekMath, arXiv 2402.03300, Sec. 4.1.3).
+
+    Every step reward of a group is normalised with the mean and the sample standard deviation of ALL step rewards of
+    the G outputs of that prompt, `r~ = (r - mean) / (std + eps)`, and a token's advantage is the sum of the
+    normalised rewards of the steps of its output that end at or after that token:
+    `A_{i,t} = sum_{j : index(j) >= t} r~_i^{index(j)}`.
+
+    Tokens after an output's last step end, masked tokens and outputs without any finite step reward get 0; a group
+    with fewer than 2 finite step rewards (no standard deviation) gets 0, and so does a group whose step rewards are
+    all equal. `eps` and the Bessel-corrected std are GRPO's (`grpo_advantages`).
+
+    Args:
+        step_rewards: (N, S) float, NaN where an output has fewer than S steps or a step is unscored.
+        step_ends: (N, S) long, index in [0, T) of the last completion token of each step; ignored where NaN.
+        mask: (N, T)
+        group_size: G; the G outputs of a prompt are consecutive rows.
+    Returns:
+        (N, T) advantages.
+    """
+    if step_rewards.dim() != 2:
+        raise ValueError(f"step_rewards must have shape (N, S), got {tuple(step_rewards.shape)}")
+    n, num_steps = step_rewards.shape
+    group_view(step_rewards.new_zeros(n), group_size)  # the row-count and group-size errors of every estimator
+    if num_steps == 0:
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rewards = step_rewards.to(torch.float32)
+    rewards = torch.where(torch.isfinite(rewards), rewards, torch.full_like(rewards, float("nan")))
+    grouped = rewards.reshape(n // group_size, group_size * num_steps)  # all step rewards of a prompt's outputs
+    mean = torch.nanmean(grouped, dim=1, keepdim=True)
+    std = _nan_std(grouped, dim=1, keepdim=True)  # NaN for fewer than 2 rewards: the group's steps stay NaN
+    normalised = ((grouped - mean) / (std + eps)).reshape(n, num_steps)
+    token_rewards = token_rewards_from_steps(normalised, step_ends, mask)
+    return _discounted_returns(token_rewards, mask, 1.0)
 
 
 def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -245,6 +285,38 @@ def token_rewards_from_outcome(
     return token_rewards * m
 
 
+def token_rewards_from_steps(step_rewards: torch.Tensor, step_ends: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Dense token rewards from step rewards: each finite step reward at the token where its step ends.
+
+    A step that ends on a masked token (tool output) is credited to the last valid token at or before its end, the
+    last action of the policy in that step; a step with no valid token up to its end is dropped. With gamma = 1 the
+    returns at valid tokens are those of the reward placed at the step end itself.
+
+    Args:
+        step_rewards: (N, S) float, NaN (or +-inf) for missing or unscored steps.
+        step_ends: (N, S) long, index in [0, T) of the last completion token of each step; ignored where the reward
+            is not finite.
+        mask: (N, T)
+    Returns:
+        (N, T), 0 on masked positions; the sum of the finite step rewards ending at each token.
+    """
+    n, t_len = mask.shape
+    if step_rewards.dim() != 2 or step_rewards.shape[0] != n or step_ends.shape != step_rewards.shape:
+        raise ValueError(f"step_rewards and step_ends must both have shape ({n}, S), got {tuple(step_rewards.shape)} "
+                         f"and {tuple(step_ends.shape)}")
+    finite = torch.isfinite(step_rewards)
+    ends = step_ends.to(torch.long)
+    if ((ends < 0) | (ends >= t_len))[finite].any():
+        raise ValueError(f"step_ends must lie in [0, {t_len}) wherever the step reward is finite")
+    positions = torch.arange(t_len, device=mask.device).expand(n, t_len)
+    last_valid = torch.where(mask.bool(), positions, torch.full_like(positions, -1)).cummax(dim=1).values
+    target = last_valid.gather(1, torch.where(finite, ends, torch.zeros_like(ends)))
+    keep = finite & (target >= 0)
+    values = torch.where(keep, step_rewards.to(torch.float32), torch.zeros(1, device=step_rewards.device))
+    token_rewards = torch.zeros(n, t_len, dtype=torch.float32, device=mask.device)
+    return token_rewards.scatter_add_(1, torch.where(keep, target, torch.zeros_like(target)), values)
+
+
 def _discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """G_t = sum_{t' >= t, valid} gamma^(#valid steps between) r_t'; masked positions are skipped, not zeroed into."""
     valid_all = mask.bool()
@@ -267,6 +339,7 @@ def reinforce_pp_advantages(
     kl: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     gamma: float = 1.0,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """REINFORCE++ advantages (arXiv 2501.03262, Eq. 4-6).
 
@@ -279,12 +352,16 @@ def reinforce_pp_advantages(
         rewards: (N,) outcome rewards, NaN for unscorable rows (advantage 0, excluded from whitening).
         mask: (N, T)
         kl: (N, T) per-token KL estimate (k1 in the paper), or None.
+        token_rewards: (N, T) dense rewards added to those token rewards (process supervision: each step's reward
+            at its last token, `token_rewards_from_steps`), or None. Ignored on NaN rows and masked positions.
     Returns:
         (N, T), 0 on masked positions.
     """
     valid = mask.to(torch.float32) * (~torch.isnan(rewards)).to(torch.float32).unsqueeze(1)
-    token_rewards = token_rewards_from_outcome(rewards, valid, kl, kl_coef)
-    returns = _discounted_returns(token_rewards, valid, gamma)
+    dense = token_rewards_from_outcome(rewards, valid, kl, kl_coef)
+    if token_rewards is not None:
+        dense = dense + torch.where(valid.bool(), token_rewards.to(torch.float32), torch.zeros_like(dense))
+    returns = _discounted_returns(dense, valid, gamma)
     return masked_whiten(returns, valid)
 
 

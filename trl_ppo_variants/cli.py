@@ -51,6 +51,8 @@ ALGORITHMS: dict[str, Algorithm] = {
                       "VAPO: value-pretrained, decoupled/length-adaptive GAE PPO (arXiv 2504.05118)"),
     "ttrl": Algorithm("ttrl", "TTRLConfig", "TTRLTrainer",
                       "TTRL: label-free RL from majority-vote rewards (arXiv 2504.16084)", own_reward=True),
+    "process_grpo": Algorithm("process_grpo", "ProcessGRPOConfig", "ProcessGRPOTrainer",
+                              "GRPO with process supervision: step rewards normalised per group (arXiv 2402.03300)"),
 }
 
 
@@ -92,6 +94,10 @@ class VariantScriptArguments:
             `prompts`, `completions`, `completion_ids`) name the dataset columns it needs.
         reward_model_name_or_path (`str`, *optional*):
             A sequence-classification reward model (Hub id or local directory), used in addition to `reward_funcs`.
+        step_reward_funcs (`list[str]`, *optional*):
+            Step reward functions (process supervision), named as `reward_funcs`, each returning per completion a
+            list with one reward per step (`trl_ppo_variants.process`). Taken by the algorithms whose config has
+            `step_separator` (process_grpo, ppo, vapo, reinforce_pp); their outcome rewards stay in `reward_funcs`.
     """
 
     dataset_name: str | None = field(
@@ -121,6 +127,10 @@ class VariantScriptArguments:
     )
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "A sequence-classification reward model (Hub id or local directory)."}
+    )
+    step_reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Step reward functions (one reward per step of a completion), named as reward_funcs."},
     )
 
 
@@ -543,14 +553,15 @@ def _prepare_prompts(dataset, script_args, name):
     return dataset
 
 
-def check_reward_columns(reward_funcs: list, specs: list[str], dataset, name: str) -> None:
+def check_reward_columns(reward_funcs: list, specs: list[str], dataset, name: str,
+                         field_name: str = "reward_funcs") -> None:
     columns = dataset.column_names
     if columns is None:  # a streamed dataset: columns unknown until read; TRL will fail on the first batch
         return
     for func, spec in zip(reward_funcs, specs):
         for col in required_columns(func):
             if col not in columns:
-                raise CLIError(f"reward_funcs: '{spec}' needs the dataset column '{col}', which '{name}' does not "
+                raise CLIError(f"{field_name}: '{spec}' needs the dataset column '{col}', which '{name}' does not "
                                f"have (columns: {', '.join(columns)})")
 
 
@@ -573,9 +584,18 @@ def prepare(algorithm: str, args: list[str]) -> dict:
     if ALGORITHMS[algorithm].own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
         specs = [s for s in specs if s != "majority_vote"]
     reward_funcs = [resolve_reward(s, training_args) for s in specs]
-    if not reward_funcs and not script_args.reward_model_name_or_path and not ALGORITHMS[algorithm].own_reward:
+    step_specs = list(script_args.step_reward_funcs or [])
+    takes_steps = hasattr(training_args, "step_separator")
+    if step_specs and not takes_steps:
+        raise CLIError(f"step_reward_funcs: expected none for {algorithm} (step rewards are taken by "
+                       f"{', '.join(a for a in ALGORITHMS if _takes_step_rewards(a))})")
+    step_reward_funcs = [resolve_reward(s, training_args) for s in step_specs]
+    has_steps = bool(step_reward_funcs) or bool(getattr(training_args, "process_reward_model_path", None))
+    if (not reward_funcs and not script_args.reward_model_name_or_path and not ALGORITHMS[algorithm].own_reward
+            and not has_steps):
         raise CLIError("reward_funcs: expected at least one reward function (a built-in name or 'module:function') "
-                       "or reward_model_name_or_path")
+                       "or reward_model_name_or_path" + (", step_reward_funcs or process_reward_model_path"
+                                                         if takes_steps else ""))
     if model_args.use_peft:
         try:
             import peft  # noqa: F401
@@ -583,10 +603,22 @@ def prepare(algorithm: str, args: list[str]) -> dict:
             raise CLIError("use_peft: expected the `peft` package to be installed (pip install peft)") from None
     train, evaluation = load_train_dataset(script_args, dataset_args, training_args)
     check_reward_columns(reward_funcs, specs, train, script_args.dataset_name)
+    check_reward_columns(step_reward_funcs, step_specs, train, script_args.dataset_name, "step_reward_funcs")
     if script_args.reward_model_name_or_path:
         reward_funcs = [script_args.reward_model_name_or_path] + reward_funcs
     return dict(script_args=script_args, training_args=training_args, model_args=model_args,
-                trainer_cls=trainer_cls, reward_funcs=reward_funcs, train=train, evaluation=evaluation)
+                trainer_cls=trainer_cls, reward_funcs=reward_funcs, step_reward_funcs=step_reward_funcs, train=train,
+                evaluation=evaluation)
+
+
+def _takes_step_rewards(algorithm: str) -> bool:
+    """Whether an algorithm's config has the step-reward fields (checked without importing the trainer)."""
+    import dataclasses
+
+    if not algorithm_available(algorithm) or dict(ALGORITHMS[algorithm].defaults).get("baseline") is True:
+        return False
+    config_cls, _ = load_algorithm(algorithm)
+    return any(f.name == "step_separator" for f in dataclasses.fields(config_cls))
 
 
 def build_trainer(p: dict):
@@ -602,9 +634,11 @@ def build_trainer(p: dict):
     if training_args.model_init_kwargs is not None:
         model_init_kwargs.update(training_args.model_init_kwargs)
     training_args.model_init_kwargs = model_init_kwargs
+    step_reward_funcs = p.get("step_reward_funcs")
     return p["trainer_cls"](
         model=model_args.model_name_or_path,
         reward_funcs=p["reward_funcs"],
+        **({"step_reward_funcs": step_reward_funcs} if step_reward_funcs else {}),
         args=training_args,
         train_dataset=p["train"],
         eval_dataset=p["evaluation"],

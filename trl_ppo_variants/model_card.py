@@ -113,6 +113,18 @@ PAPERS: dict[str, Paper] = {
                 year    = {2025}
             }"""),
     ),
+    "process_grpo": Paper(
+        name="GRPO with process supervision",
+        title="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
+        arxiv_id="2402.03300",
+        bibtex=textwrap.dedent("""\
+            @article{shao2024deepseekmath,
+                title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
+                author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Xiao Bi and Haowei Zhang and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
+                journal = {arXiv preprint arXiv:2402.03300},
+                year    = {2024}
+            }"""),
+    ),
     "ttrl": Paper(
         name="TTRL",
         title="TTRL: Test-Time Reinforcement Learning",
@@ -136,6 +148,7 @@ _TRAINER_ALGORITHMS = {
     "PPOTrainer": "ppo",
     "VAPOTrainer": "vapo",
     "TTRLTrainer": "ttrl",
+    "ProcessGRPOTrainer": "process_grpo",
 }
 
 # The fields that define an RL run whatever the algorithm, in the order a reader wants them. Fields declared by this

@@ -61,10 +61,19 @@ def build_tokenizer():
 
 def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
     """A random Qwen3 causal LM sized for CPU tests (about 0.1M parameters)."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen3Config(
+    model = AutoModelForCausalLM.from_config(_toy_config(tokenizer, hidden_size, num_layers))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def _toy_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, **extra):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -77,11 +86,37 @@ def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=None,
+        **extra,
     )
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+
+
+def make_toy_prm(path: str | None = None, seed: int = 0, num_labels: int = 2, step_tag: str | None = None,
+                 architecture: str | None = None) -> str:
+    """A random process reward model saved with its tokenizer to `path` (a temp dir when None); return the path.
+
+    A tiny Qwen3 token classifier (`num_labels` logits per token) on the toy tokenizer. `step_tag` adds that string as
+    a special token (e.g. Qwen2.5-Math-PRM's `"<extra_0>"`); `architecture` overrides the architecture name written
+    to its config (e.g. `"Qwen2ForProcessRewardModel"`, which `process_reward_model_style="auto"` recognises).
+    """
+    from transformers import AutoModelForTokenClassification
+
+    path = path or tempfile.mkdtemp(prefix="toy_prm_")
+    tok = build_tokenizer()
+    if step_tag is not None:
+        # the toy vocabulary has a hole (id 3) and so ends at id len(tok): the first added token would get the id of
+        # "}" (transformers numbers new tokens from len(tok)); a filler takes that id so the tag gets its own
+        tok.add_special_tokens({"additional_special_tokens": ["<toy_filler>", step_tag]})
+    torch.manual_seed(seed)
+    model = AutoModelForTokenClassification.from_config(_toy_config(tok, num_labels=num_labels))
+    if architecture is not None:
+        model.config.architectures = [architecture]
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    if architecture is not None:  # save_pretrained writes the class's own name
+        model.config.architectures = [architecture]
+        model.config.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
 
 
 # --------------------------------------------------------------------------------------------- the toy task
@@ -128,16 +163,22 @@ def warm_start(model, tokenizer, steps: int = 40, lr: float = 3e-3, max_digit: i
     """
     torch.manual_seed(seed)
     examples = addition_examples(max_digit)
-    texts = [e["prompt"] + e["answer"] + tokenizer.eos_token for e in examples]
-    enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
-    labels = enc["input_ids"].clone()
-    labels[enc["attention_mask"] == 0] = -100
-    prompt_lens = [len(tokenizer(e["prompt"])["input_ids"]) for e in examples]
-    for i, n in enumerate(prompt_lens):
-        labels[i, :n] = -100  # learn the answer only
+    return _supervised_fit(model, tokenizer, [examples] * steps, lr)
+
+
+def _supervised_fit(model, tokenizer, batches, lr: float):
+    """One AdamW step per batch of `{"prompt", "answer"}` examples (`"completion"`, when given, is the target text
+    instead of the answer), on the target tokens only."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for _ in range(steps):
+    for examples in batches:
+        texts = [e["prompt"] + e.get("completion", e["answer"]) + tokenizer.eos_token for e in examples]
+        enc = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right")
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        prompt_lens = [len(tokenizer(e["prompt"])["input_ids"]) for e in examples]
+        for i, n in enumerate(prompt_lens):
+            labels[i, :n] = -100  # learn the answer only
         loss = model(**enc, labels=labels).loss
         loss.backward()
         opt.step()
@@ -174,3 +215,77 @@ def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int 
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+# --------------------------------------------------------------------------------------------- the digits task
+#: the step separator of the digits task (the toy tokenizer has no newline token, so not a blank line)
+DIGITS_SEPARATOR = ", "
+
+
+def digits_examples(n: int, num_digits: int = 4, max_digit: int = 4, seed: int = 0):
+    """`n` seeded prompts `"0123+3041="` (two `num_digits`-digit strings) with their digit-wise sum `"3164"` (no carry:
+    digits up to `max_digit` <= 4) as `answer`, and `"3, 1, 6, 4"` as the target `completion`: one step per digit."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a = [rng.randint(0, max_digit) for _ in range(num_digits)]
+        b = [rng.randint(0, max_digit) for _ in range(num_digits)]
+        answer = "".join(str(x + y) for x, y in zip(a, b))
+        rows.append({"prompt": "".join(map(str, a)) + "+" + "".join(map(str, b)) + "=", "answer": answer,
+                     "completion": DIGITS_SEPARATOR.join(answer)})
+    return rows
+
+
+def digits_dataset(n: int = 256, num_digits: int = 4, seed: int = 0):
+    """A `datasets.Dataset` of `digits_examples` (columns `prompt`, `answer`)."""
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]}
+                              for e in digits_examples(n, num_digits, seed=seed)])
+
+
+def _digit_steps(completion) -> list[str]:
+    text = completion if isinstance(completion, str) else completion[-1]["content"]
+    return [step.strip() for step in text.split(DIGITS_SEPARATOR)]
+
+
+def digit_step_rewards(completions, answer, **kwargs):
+    """A step reward function: per completion, 1.0 for each step that is the right digit at its place, else 0.0
+    (steps beyond the answer's digits are wrong)."""
+    return [[1.0 if j < len(truth) and step == truth[j] else 0.0 for j, step in enumerate(_digit_steps(c))]
+            for c, truth in zip(completions, answer)]
+
+
+def digits_exact_reward(completions, answer, **kwargs):
+    """The outcome reward of the digits task: 1.0 when the steps are exactly the answer's digits, else 0.0."""
+    return [float(_digit_steps(c) == list(truth)) for c, truth in zip(completions, answer)]
+
+
+def warm_start_digits(model, tokenizer, steps: int = 140, lr: float = 3e-3, num_digits: int = 4, seed: int = 0,
+                      batch_size: int = 128):
+    """A supervised fit on fresh `digits_examples` every step. From `build_model(seed=0)`, 140 steps on 4 digits
+    leave a model right on 45% of the digits and 4.5% of the answers (`digits_accuracy`): a per-digit reward is dense,
+    the exact-answer reward sparse."""
+    torch.manual_seed(seed)
+    batches = [digits_examples(batch_size, num_digits, seed=1000 * (seed + 1) + step) for step in range(steps)]
+    return _supervised_fit(model, tokenizer, batches, lr)
+
+
+@torch.no_grad()
+def digits_accuracy(model, tokenizer, n: int = 400, num_digits: int = 4, seed: int = 99, temperature: float = 1.0):
+    """(share of right digits, share of exact answers) of `n` seeded samples at `temperature` on held-out prompts."""
+    examples = digits_examples(n, num_digits, seed=seed)
+    enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True, padding_side="left")
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(**enc, max_new_tokens=3 * num_digits, do_sample=True, temperature=temperature,
+                             top_k=0, pad_token_id=tokenizer.pad_token_id)
+    model.train(was_training)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    answers = [e["answer"] for e in examples]
+    digits = digit_step_rewards(texts, answers)
+    right = sum(sum(row[:num_digits]) / num_digits for row in digits) / n
+    exact = sum(digits_exact_reward(texts, answers)) / n
+    return right, exact

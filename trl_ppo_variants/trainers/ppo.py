@@ -58,6 +58,7 @@ from ..critic import (
     split_critic_state_dict,
 )
 from ..losses import clipped_value_loss
+from ..process import StepRewardFields, StepRewardsMixin
 from .base import VariantConfig, VariantTrainer, check
 
 #: key of the optimizer param groups saying whose parameters they hold ("policy" or "critic")
@@ -69,7 +70,7 @@ UNSHIFTABLE_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
 
 
 @dataclass
-class PPOConfig(VariantConfig):
+class PPOConfig(StepRewardFields, VariantConfig):
     r"""
     Configuration for [`PPOTrainer`]: [`~trl.GRPOConfig`] with a value model, GAE and PPO's value loss.
 
@@ -77,6 +78,11 @@ class PPOConfig(VariantConfig):
     epochs, `steps_per_generation` = mini-batches per rollout); `num_generations` completions are sampled per prompt
     as in GRPO (the advantage does not use the group). Defaults follow TRL's former `PPOConfig` (`vf_coef=0.1`,
     `cliprange_value=0.2`, `gamma=1.0`, `lam=0.95`, KL-in-reward `0.05` with k1).
+
+    Step rewards (process supervision): `step_reward_funcs=[...]` passed to the trainer, or a process reward model
+    (`process_reward_model_path`), put each step's reward at the token that ends the step, besides the outcome at the
+    last token, so GAE sees dense rewards. Fields `step_separator`, `process_reward_model_path`,
+    `process_reward_model_style`, `process_reward_model_step_tag`: see [`~trl_ppo_variants.process.StepRewardFields`].
 
     Parameters:
         value_model_path (`str` or `None`, *optional*, defaults to `None`):
@@ -162,7 +168,7 @@ class PPOConfig(VariantConfig):
         return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
 
 
-class PPOTrainer(VariantTrainer):
+class PPOTrainer(StepRewardsMixin, VariantTrainer):
     """PPO with a critic on top of TRL's `GRPOTrainer` (see the module docstring for the design).
 
     Logged: `value/loss`, `value/clip_frac`, `value/explained_variance` (of the rollout-time values against the
@@ -342,9 +348,12 @@ class PPOTrainer(VariantTrainer):
 
     def compute_advantages(self, rewards, batch, group_size):
         mask = selection.loss_mask(batch).to(torch.float32)
+        rewards, step_token_rewards = self.dense_step_rewards(rewards, mask)  # (rewards, None) without step rewards
         scorable = ~torch.isnan(rewards)
         valid = mask * scorable.to(mask.dtype).unsqueeze(1)  # unscorable rows: no advantage, no value target
         token_rewards = token_rewards_from_outcome(rewards, valid, batch.get("kl_in_reward"), self.kl_in_reward_coef)
+        if step_token_rewards is not None:
+            token_rewards = token_rewards + step_token_rewards * valid
         old_values = torch.where(valid.bool(), batch["old_values"].to(torch.float32), torch.zeros_like(valid))
         lam_policy, lam_critic = self.gae_lambdas(valid)
         gamma = self.args.gamma

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from .. import selection
 from ..advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
+from ..process import StepRewardFields, StepRewardsMixin
 from .base import VariantConfig, VariantTrainer, check
 
 #: OpenRLHF's typical `--init_kl_coef` for REINFORCE++ (k1 KL in the reward) and for REINFORCE++-baseline (k2 loss).
@@ -14,7 +15,7 @@ DEFAULT_BASELINE_KL_LOSS_COEF = 1e-3
 
 
 @dataclass
-class ReinforcePPConfig(VariantConfig):
+class ReinforcePPConfig(StepRewardFields, VariantConfig):
     r"""
     Configuration for [`ReinforcePPTrainer`]: [`~trl.GRPOConfig`] with the fields of REINFORCE++ (arXiv 2501.03262).
 
@@ -33,6 +34,12 @@ class ReinforcePPConfig(VariantConfig):
     the batch, no group), so `num_generations=1` is accepted when `baseline=False` (TRL's `GRPOConfig` refuses it);
     REINFORCE++-baseline subtracts the group mean and needs `num_generations >= 2`. TRL's `frac_reward_zero_std` is
     not logged for groups of one (it would always be 1); `reward_std` is the std over the batch.
+
+    Step rewards (process supervision, REINFORCE++ only): `step_reward_funcs=[...]` passed to the trainer, or a
+    process reward model (`process_reward_model_path`), add each step's reward at the token that ends the step to the
+    token rewards of Eq. 4, so the returns are dense. REINFORCE++-baseline broadcasts one outcome advantage and refuses
+    them. Fields `step_separator`, `process_reward_model_path`, `process_reward_model_style`,
+    `process_reward_model_step_tag`: see [`~trl_ppo_variants.process.StepRewardFields`].
 
     Parameters:
         baseline (`bool`, *optional*, defaults to `False`):
@@ -79,6 +86,11 @@ class ReinforcePPConfig(VariantConfig):
             return super().min_num_generations()
         return 1, "REINFORCE++ needs no group: its baseline is the batch whitening"
 
+    def step_rewards_refused(self):
+        if self.baseline:
+            return "baseline=True broadcasts one outcome advantage per completion; step rewards need baseline=False"
+        return None
+
     def __post_init__(self):
         if self.kl_in_reward_coef is None:
             self.kl_in_reward_coef = 0.0 if self.baseline else DEFAULT_KL_IN_REWARD_COEF
@@ -96,7 +108,7 @@ class ReinforcePPConfig(VariantConfig):
         super().__post_init__()
 
 
-class ReinforcePPTrainer(VariantTrainer):
+class ReinforcePPTrainer(StepRewardsMixin, VariantTrainer):
     """REINFORCE++ / REINFORCE++-baseline (arXiv 2501.03262) on top of TRL's `GRPOTrainer`.
 
     Advantages are per token, (N, T), computed on the global batch (whitening is over every valid token of every
@@ -117,6 +129,8 @@ class ReinforcePPTrainer(VariantTrainer):
         if self.args.baseline:
             return reinforce_pp_baseline_advantages(rewards, mask, group_size)
         kl = batch.get("kl_in_reward")  # already k1 * mask; the function applies kl_in_reward_coef itself
+        rewards, step_token_rewards = self.dense_step_rewards(rewards, mask)  # (rewards, None) without step rewards
         return reinforce_pp_advantages(
-            rewards, mask, kl=kl, kl_coef=self.kl_in_reward_coef if kl is not None else 0.0, gamma=self.args.gamma
+            rewards, mask, kl=kl, kl_coef=self.kl_in_reward_coef if kl is not None else 0.0, gamma=self.args.gamma,
+            token_rewards=step_token_rewards,
         )
