@@ -90,6 +90,19 @@ def test_critic_is_a_submodule_initialised_from_the_policy(toy_model_dir, toy_da
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.0, 0.01, 0.01]
 
 
+def test_new_value_head_starts_at_zero_and_learns(toy_model_dir, toy_dataset, tmp_path):
+    """A new head predicts V = 0 on every state (a random head on a pretrained backbone's large hidden states gave
+    values of std ~0.7 on SmolLM2-135M, and GAE advantages made of that noise), yet its gradient is not zero."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path)
+    batch = _rollout(trainer, toy_dataset)
+    input_ids, attention_mask = _ids(batch)
+    values = critic_values(trainer.critic, input_ids, attention_mask, batch["completion_ids"].shape[1])
+    assert torch.equal(values, torch.zeros_like(values))
+    assert torch.equal(batch["old_values"], torch.zeros_like(batch["old_values"]))
+    (values - 1.0).pow(2).sum().backward()
+    assert trainer.critic.score.weight.grad.abs().sum() > 0
+
+
 def test_critic_from_value_model_path(toy_model_dir, toy_dataset, tmp_path):
     from transformers import AutoModelForTokenClassification
 
