@@ -1,4 +1,4 @@
-"""`python -m trl_ppo_variants.demo`: offline, one algorithm quickly; the table, the plot, the trained model."""
+"""`python -m trl_ppo_variants.toy_demo`: offline, one algorithm quickly; the table, the plot, the trained model."""
 
 import re
 import subprocess
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_ppo_variants import demo
+from trl_ppo_variants import toy_demo as demo
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,6 +46,6 @@ def test_demo_covers_every_algorithm():
 
 
 def test_demo_module_help_runs_offline():
-    proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants.demo", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants.toy_demo", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0 and "--algo" in proc.stdout and "--output_dir" in proc.stdout

@@ -1,6 +1,7 @@
-"""The first thing to run: every algorithm of the package on a toy task, offline, on a laptop CPU, in minutes.
+"""The quick path (`make demo-toy`): every algorithm of the package on a toy task, offline, on a laptop CPU, in
+about a minute. The main job, on a real pretrained model, is `trl_ppo_variants.demo` (`make demo`).
 
-    python -m trl_ppo_variants.demo [--algo NAME] [--output_dir ./demo_output]
+    python -m trl_ppo_variants.toy_demo [--algo NAME] [--output_dir ./demo_output/toy]
 
 Builds the tiny model and the toy addition task that ship with the package (`trl_ppo_variants/toy.py`), warm-starts
 the model briefly (so that it is right on about half of the prompts: RL needs reward variance), then trains a copy of
@@ -41,7 +42,7 @@ ALGO_SETTINGS: dict[str, dict] = {
     # TTRL sharpens the policy onto its own majority answers: at 1e-3 the toy collapses onto wrong ones (label accuracy
     # 0.75 -> 0 in 40 steps, measured), the failure mode a label-free method risks with a too-large step
     "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "learning_rate": 1e-4,
-             "answer_extractor": "trl_ppo_variants.demo:first_number"},
+             "answer_extractor": "trl_ppo_variants.toy_demo:first_number"},
 }
 
 def first_number(completion) -> str | None:
@@ -53,6 +54,8 @@ def first_number(completion) -> str | None:
     return match.group(0) if match else None
 
 
+from .demo import RUN_SETTINGS  # noqa: E402 - after the offline environment is set
+
 COMMON = dict(
     per_device_train_batch_size=64,  # 16 prompts x 4 completions: a toy step is overhead-bound, so this is ~free
     num_generations=4,
@@ -61,13 +64,7 @@ COMMON = dict(
     lr_scheduler_type="constant",
     temperature=0.7,  # near the greedy policy: the toy learns within tens of steps (at 1.0 every algorithm is slow)
     beta=0.0,
-    logging_steps=1,
-    report_to=[],
-    use_cpu=True,
-    bf16=False,
-    save_strategy="no",
-    disable_tqdm=True,
-    log_level="error",
+    **RUN_SETTINGS,
 )
 
 DEFAULT_STEPS = 40
@@ -168,26 +165,18 @@ def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVA
 
 
 def format_table(rows: list[dict]) -> str:
-    width = max([len("algorithm")] + [len(r["algorithm"]) for r in rows])
-    lines = [f"{'algorithm':<{width}}  reward before -> after  s/step",
-             f"{'-' * width}  ----------------------  ------"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['algorithm']:<{width}}  failed: {r['error']}")
-            continue
-        change = f"{r['before']:.2f} -> {r['after']:.2f}"
-        lines.append(f"{r['algorithm']:<{width}}  {change:<22}  {r['sec_per_step']:.3f}")
-    return "\n".join(lines)
+    from .demo import text_table
+
+    return text_table(["algorithm", "reward before -> after", "s/step"],
+                      [(r["algorithm"], r["error"] if "error" in r else
+                        [f"{r['before']:.2f} -> {r['after']:.2f}", f"{r['sec_per_step']:.3f}"]) for r in rows])
 
 
 def plot_curves(rows: list[dict], path: str) -> str | None:
-    try:
-        import matplotlib
+    from .demo import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rows:
@@ -212,9 +201,9 @@ def plot_curves(rows: list[dict], path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trl_ppo_variants.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trl_ppo_variants.toy_demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--algo", default=None, help="one algorithm (default: every installed one)")
-    parser.add_argument("--output_dir", default="./demo_output", help="where the plot and models go")
+    parser.add_argument("--output_dir", default="./demo_output/toy", help="where the plot and models go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per algorithm")
     parser.add_argument("--seed", type=int, default=0)
     opts = parser.parse_args(argv)
