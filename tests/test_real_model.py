@@ -27,10 +27,11 @@ MAX_LEN = 12
 PROBLEM = [{"role": "system", "content": "Reply with only the number."},
            {"role": "user", "content": "Anna has 7 pens and gets 5 more. How many pens does Anna have now?"}]
 YES_NO = [{"role": "user", "content": "Is 7 larger than 3? Answer yes or no."}]
-ALGOS = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl"]
+ALGOS = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
+         "process_grpo"]
 # half of the trainers mask truncated completions out of the loss, half do not (both paths on every family)
 MASK_TRUNCATED = {"grpo": True, "rloo": False, "remax": True, "reinforce_pp": True, "reinforce_pp_baseline": False,
-                  "dapo": True, "ppo": False, "vapo": True, "ttrl": False}
+                  "dapo": True, "ppo": False, "vapo": True, "ttrl": False, "process_grpo": True}
 #: what each algorithm needs on top of the shared settings (its KL terms on, to exercise the reference model)
 SETTINGS = {
     "grpo": {"beta": 0.04},
@@ -42,11 +43,21 @@ SETTINGS = {
     "ppo": {"kl_in_reward_coef": 0.05},
     "vapo": {"value_pretrain_steps": 1},
     "ttrl": {"n_votes": 4, "n_train": 2},
+    "process_grpo": {"step_separator": " "},  # a word is a step: 12 tokens hold several
 }
 
 
 def negative_length(completion_ids, **kwargs):
     return [-len(ids) / MAX_LEN for ids in completion_ids]
+
+
+def digit_steps(completions, **kwargs):
+    """Process GRPO's step reward: 1 for a step (a word) holding a digit."""
+    from trl_ppo_variants.process import split_steps
+    from trl_ppo_variants.rewards import completion_text
+
+    return [[float(any(ch.isdigit() for ch in step)) for step in split_steps(completion_text(c), " ")]
+            for c in completions]
 
 
 def _dataset():
@@ -75,8 +86,9 @@ def _trainer(algo, model_dir, tmp_path, mask_truncated, peft_config=None, **over
         settings.pop("num_generations")
     args = config_cls(**settings)
     rewards = [negative_length] if algo == "ttrl" else [math_accuracy, negative_length]
+    extra = {"step_reward_funcs": [digit_steps]} if algo == "process_grpo" else {}
     return trainer_cls(model=model_dir, reward_funcs=rewards, args=args, train_dataset=_dataset(),
-                       peft_config=peft_config)
+                       peft_config=peft_config, **extra)
 
 
 def _spy_on_loss_inputs(trainer):
@@ -178,8 +190,58 @@ def _check_fresh_critic(trainer, tokenizer):
     text = tokenizer.apply_chat_template(PROBLEM, tokenize=False, add_generation_prompt=True) + "12"
     enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
-        values = critic_values(critic, enc["input_ids"], enc["attention_mask"], 2)
-    assert values.shape == (1, 2) and torch.isfinite(values).all()
+        values = critic_values(critic, enc["input_ids"], enc["attention_mask"], enc["input_ids"].shape[1] - 1)
+    assert values.shape == (1, enc["input_ids"].shape[1] - 1) and torch.isfinite(values).all()
+    # the new head starts near V = 0 on every state: transformers' N(0, 0.02) head gave values of std 0.73 here (the
+    # hidden states' norm is ~47), GAE advantages made of that noise and an explained variance of -3 to -20
+    assert values.std() < 0.2 and values.abs().max() < 0.5, (values.std(), values.abs().max())
+
+
+# ------------------------------------------------------------------------------------------------ ReMax
+@pytest.mark.timeout(600)
+def test_remax_greedy_rows_are_greedy_under_the_chat_template(smollm2_dir, tmp_path):
+    """ReMax's baseline rows, appended to the sampling `generate` call of left-padded chat prompts of different
+    lengths, are each prompt's own `generate(do_sample=False)` (alone, unpadded), and `remax/greedy_reward` is their
+    reward: what the real model's ReMax run logged (greedy right 3 times in 4 while samples rarely were) is the
+    model, not the plumbing."""
+    from transformers import AutoTokenizer
+
+    from trl_ppo_variants.smollm2 import word_problem_dataset, word_problem_reward
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    config_cls, trainer_cls = load_algorithm("remax")
+    args = config_cls(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=2,
+                      max_completion_length=MAX_LEN, temperature=1.0, report_to=[], use_cpu=True, bf16=False, seed=0,
+                      save_strategy="no", disable_tqdm=True)
+    data = word_problem_dataset(4, seed=3, split="test")
+    trainer = trainer_cls(model=smollm2_dir, reward_funcs=word_problem_reward, args=args, train_dataset=data)
+    seen = {}
+    score = trainer._score_greedy
+
+    def spy(greedy, *rest):
+        seen["greedy"] = [list(ids) for ids in greedy["completion_ids"]]
+        return score(greedy, *rest)
+
+    trainer._score_greedy = spy
+    trainer.model.train()
+    inputs = [dict(data[i]) for i in range(4) for _ in range(2)]
+    torch.manual_seed(0)
+    trainer._generate_and_score_completions(inputs)
+    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True) for row in data]
+    assert len({len(tokenizer(t)["input_ids"]) for t in texts}) > 1  # the batch was padded
+    expected, completions = [], []
+    for text in texts:
+        enc = tokenizer([text], return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = trainer.model.generate(**enc, do_sample=False, max_new_tokens=MAX_LEN)
+        ids = out[0, enc["input_ids"].shape[1]:].tolist()
+        if tokenizer.eos_token_id in ids:
+            ids = ids[: ids.index(tokenizer.eos_token_id) + 1]
+        expected.append(ids)
+        completions.append([{"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}])
+    assert seen["greedy"] == expected
+    greedy_reward = sum(word_problem_reward(completions, data["answer"])) / 4
+    assert trainer._metrics["train"]["remax/greedy_reward"][-1] == pytest.approx(greedy_reward)
 
 
 # ------------------------------------------------------------------------------------------------ LoRA
