@@ -67,7 +67,12 @@ def test_defaults_follow_the_paper(tmp_path):
     assert (args.epsilon, args.epsilon_high, args.loss_type) == (0.2, 0.28, "dapo")
     assert (args.value_pretrain_steps, args.lam_critic, args.lam_policy) == (50, 1.0, 0.95)
     assert (args.length_adaptive_alpha, args.positive_lm_coef) == (0.05, 0.1)
-    assert (args.learning_rate, args.critic_learning_rate) == (1e-6, 2e-6)
+    assert (args.learning_rate, args.critic_learning_rate, args.effective_critic_learning_rate) == (1e-6, None, 2e-6)
+    # the paper's ratio follows the policy's rate; a set critic rate is kept
+    scaled = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=2e-5)
+    assert scaled.effective_critic_learning_rate == 4e-5
+    fixed = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_learning_rate=3e-6)
+    assert fixed.effective_critic_learning_rate == 3e-6
     assert (args.kl_in_reward_coef, args.beta) == (0.0, 0.0)
 
 

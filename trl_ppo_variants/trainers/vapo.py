@@ -52,6 +52,10 @@ class VAPOConfig(PPOConfig):
       prompt, which the recipe sets together with a matching batch size.
     - Maximum length: `max_completion_length` keeps TRL's default so that a run fits any machine; the recipe
       (`recipes/`) uses 20480, DAPO's setting for the same benchmark (AIME 2024, Qwen2.5-32B).
+    - Critic learning rate: `critic_learning_rate=None` means twice `learning_rate`, the paper's ratio (2e-6 for the
+      actor's 1e-6, which is what the defaults give), so that a run at another policy rate keeps the critic ahead
+      of the policy as the paper does (a fixed 2e-6 under a policy rate of 2e-5 would make the critic ten times
+      slower than the policy). Set it to fix the critic's rate.
     - Critic initialisation: the paper initialises the critic from a reward model and pre-trains it against that
       model. With rule-based rewards there is no reward model: the critic is initialised from the policy (a new scalar
       head on the policy's backbone), or from `value_model_path` when given, then pre-trained on the rule rewards.
@@ -112,7 +116,9 @@ class VAPOConfig(PPOConfig):
     # defaults that differ from PPOConfig
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Clip-Higher upper bound (VAPO: 0.28)."})
     loss_type: str = field(default="dapo", metadata={"help": "Token-level policy loss (VAPO: 'dapo')."})
-    critic_learning_rate: float | None = field(default=2e-6, metadata={"help": "Critic learning rate (VAPO: 2e-6)."})
+    critic_learning_rate: float | None = field(
+        default=None, metadata={"help": "Critic learning rate; None: 2 x learning_rate (the paper's 2e-6 for 1e-6)."}
+    )
     kl_in_reward_coef: float = field(
         default=0.0, metadata={"help": "KL-in-reward coefficient (VAPO names none: 0, as DAPO)."}
     )
@@ -121,6 +127,10 @@ class VAPOConfig(PPOConfig):
 
     def uses_token_level_normalizer(self) -> bool:
         return super().uses_token_level_normalizer() or self.positive_lm_coef > 0  # the NLL is a token mean
+
+    @property
+    def effective_critic_learning_rate(self) -> float:
+        return 2.0 * self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
 
     def __post_init__(self):
         check(self.critic_warmup_steps in (None, self.value_pretrain_steps), "critic_warmup_steps",
