@@ -41,7 +41,9 @@ def test_demo_settings_table(tmp_path):
         if algo != demo.REFERENCE and algo not in demo.algorithm_names():
             continue
         args = demo.training_args(algo, steps=3, seed=0, output_dir=str(tmp_path))
-        assert (args.max_steps, args.temperature, args.learning_rate) == (3, 0.7, 3e-5), algo
+        # critic-only steps (VAPO's value pre-training) come on top: every algorithm gets 3 policy updates
+        assert (args.max_steps, args.temperature, args.learning_rate) == (3 + demo.critic_only_steps(algo), 0.7,
+                                                                          3e-5), algo
         for key, value in demo.ALGO_SETTINGS[algo].items():
             assert getattr(args, key) == value, (algo, key)
     assert demo._select("all") == demo.algorithm_names() and demo._select(None) == list(demo.DEFAULT_ALGOS)
@@ -49,8 +51,8 @@ def test_demo_settings_table(tmp_path):
 
 
 def _table_rows(out):
-    return re.findall(r"^(\S+)(?: \(trl\.GRPOTrainer\))?\s+([\d.]+) -> ([\d.]+)\s+([+-][\d.]+)\s+([\d.]+)$", out,
-                      flags=re.M)
+    return re.findall(r"^(\S+)(?: \(trl\.GRPOTrainer\))?\s+([\d.]+) -> ([\d.]+)\s+([+-][\d.]+)\s+(\d+(?: \+ \d+ "
+                      r"critic-only)?)\s+([\d.]+)$", out, flags=re.M)
 
 
 @pytest.mark.timeout(300)
@@ -64,6 +66,7 @@ def test_demo_whole_path_on_the_tiny_model(tmp_path, capsys, toy_model_dir):
     assert code == 0, captured.err[-3000:]
     rows = _table_rows(captured.out)
     assert [r[0] for r in rows] == ["grpo", "rloo"], captured.out
+    assert [r[4] for r in rows] == ["1", "1"]
     assert "grpo (trl.GRPOTrainer)" in captured.out
     before = {r[1] for r in rows}
     assert len(before) == 1  # one measure of the same base model for every algorithm

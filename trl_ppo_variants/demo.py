@@ -63,9 +63,14 @@ ALGO_SETTINGS: dict[str, dict] = {
     "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
     "dapo": {"max_generation_rounds": 2},
     "ppo": {"kl_in_reward_coef": 0.0},
-    "vapo": {"value_pretrain_steps": 2},
+    # value pre-training (critic-only steps) comes on top of the policy's steps: every algorithm gets the same number
+    # of policy updates
+    "vapo": {"value_pretrain_steps": 4},
     # label-free: its reward is the agreement with its own majority vote over 8 samples, 4 of which are trained on
     "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "answer_extractor": "last_number"},
+    # a word problem's answer is one step: the task reward as a one-step step reward, where process GRPO's advantage
+    # is GRPO's (the multi-step case is tests/test_process_grpo.py's digits task)
+    "process_grpo": {},
 }
 
 DEFAULT_STEPS = 8
@@ -94,10 +99,23 @@ def algorithm_names() -> list[str]:
     return [REFERENCE] + [name for name in ALGORITHMS if algorithm_available(name)]
 
 
+def critic_only_steps(algo: str) -> int:
+    """Steps at the start that train only a critic (VAPO's value pre-training, PPO's critic warm-up)."""
+    settings = ALGO_SETTINGS.get(algo, {})
+    return settings.get("value_pretrain_steps", 0) or settings.get("critic_warmup_steps", 0)
+
+
+def one_step_reward(completions, answer, **kwargs) -> list[list[float | None]]:
+    """Process GRPO's step reward on the word problems: the task reward as the reward of the answer's one step."""
+    from .smollm2 import word_problem_reward
+
+    return [[r] for r in word_problem_reward(completions, answer)]
+
+
 def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
     config_cls, _ = trainer_classes(algo)
     settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
-    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
+    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps + critic_only_steps(algo), seed=seed)
     if "n_votes" in settings:  # TTRL: n_votes sets num_generations
         settings.pop("num_generations", None)
     return config_cls(**settings)
@@ -138,8 +156,11 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
     train = word_problem_dataset(max(64, opts.steps * prompts_per_step * 2), seed=opts.seed + TRAIN_SEED_OFFSET)
-    trainer = trainer_cls(model=model, reward_funcs=None if algo == "ttrl" else word_problem_reward, args=args,
-                          train_dataset=train, processing_class=tokenizer, callbacks=[_progress(bar, algo)])
+    rewards, extra = (None, {}) if algo == "ttrl" else (word_problem_reward, {})
+    if algo == "process_grpo":
+        rewards, extra = None, {"step_reward_funcs": [one_step_reward]}
+    trainer = trainer_cls(model=model, reward_funcs=rewards, args=args, train_dataset=train,
+                          processing_class=tokenizer, callbacks=[_progress(bar, algo)], **extra)
     trainer.remove_callback(PrinterCallback)  # the progress bar replaces the per-step dict printout
     torch.manual_seed(opts.seed)
     bar.set_description(f"{algo}: training")
@@ -178,9 +199,14 @@ def format_table(rows: list[dict], before: float) -> str:
     def name(r):
         return f"{r['algorithm']} (trl.GRPOTrainer)" if r["algorithm"] == REFERENCE else r["algorithm"]
 
-    return text_table(["algorithm", "held-out accuracy before -> after", "gain", "s/step"],
+    def steps(r):
+        extra = critic_only_steps(r["algorithm"])
+        return f"{r['steps'] - extra} + {extra} critic-only" if extra else str(r["steps"])
+
+    return text_table(["algorithm", "held-out accuracy before -> after", "gain", "steps", "s/step"],
                       [(name(r), r["error"] if "error" in r else
-                        [f"{before:.3f} -> {r['after']:.3f}", f"{r['after'] - before:+.3f}", f"{r['sec_per_step']:.1f}"])
+                        [f"{before:.3f} -> {r['after']:.3f}", f"{r['after'] - before:+.3f}", steps(r),
+                         f"{r['sec_per_step']:.1f}"])
                        for r in rows])
 
 
@@ -312,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     # smoothing=0: the time left is extrapolated from the average pace, held-out evaluations included
-    with tqdm(total=len(algos) * opts.steps, unit="step", smoothing=0, file=sys.stderr, dynamic_ncols=True,
+    with tqdm(total=sum(opts.steps + critic_only_steps(a) for a in algos), unit="step", smoothing=0, file=sys.stderr, dynamic_ncols=True,
               bar_format="{desc} {percentage:3.0f}%|{bar}| {n}/{total} steps [{elapsed}<{remaining} left{postfix}]"
               ) as bar:
         for algo in algos:
@@ -321,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(train_one(algo, model_dir, heldout, opts, bar))
             except Exception as e:  # one broken algorithm must not hide the others' results
                 rows.append({"algorithm": algo, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"})
-            bar.update(max(0, done + opts.steps - bar.n))  # a failed or early-stopped run still counts as done
+            bar.update(max(0, done + opts.steps + critic_only_steps(algo) - bar.n))  # a failed or early-stopped run still counts as done
     total = time.perf_counter() - start
     ok = [r for r in rows if "error" not in r]
     print()
