@@ -82,7 +82,7 @@ ALGOS = [
     Algo("ppo", "PPO", _OURS + "ppo", "PPOConfig", "PPOTrainer", lambda g: dict(_NO_REF), target="value"),
     Algo("vapo", "VAPO", _OURS + "vapo", "VAPOConfig", "VAPOTrainer",
          # one critic-only step (inside the warm-up, not timed) instead of the paper's 50; the critic's learning rate
-         # as PPO's default (the policy's), since the paper's 2e-6 leaves the toy's critic untrained in 30 steps
+         # VAPO's default: twice the policy's
          lambda g: dict(_NO_REF, value_pretrain_steps=1, critic_learning_rate=None), target="value"),
     Algo("ttrl", "TTRL (n_votes = G)", _OURS + "ttrl", "TTRLConfig", "TTRLTrainer",
          lambda g: {"beta": 0.0, "n_votes": g, "n_train": g}, target="time", reward="own"),

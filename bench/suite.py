@@ -50,6 +50,73 @@ import algos  # noqa: E402  (bench/algos.py)
 DEFAULT_OUT = os.path.join(HERE, "results")
 
 
+# ------------------------------------------------------------------------------------------------ tasks
+class Task:
+    """What a suite run trains on: a model folder, a training set, a reward, and the task's default settings."""
+
+    def __init__(self, name, describe, defaults, rows=None, config=None):
+        self.name, self.describe, self.defaults, self.rows = name, describe, defaults, rows
+        self.config = config or {}  # config fields of every row
+
+    def model_dir(self, args, work) -> str:
+        if self.name == "smollm2":
+            from trl_ppo_variants.smollm2 import smollm2_checkpoint
+
+            return smollm2_checkpoint()
+        from trl_ppo_variants.toy import make_toy_checkpoint
+
+        return make_toy_checkpoint(os.path.join(work, "toy_model"), seed=args.seed, warm_steps=25)
+
+    def memory_model_dir(self, args, work, model_dir) -> str:
+        """The model the memory runs use: the real one as it is; for the toy, a larger one (see the docstring)."""
+        if self.name == "smollm2":
+            return model_dir
+        from trl_ppo_variants.toy import build_model, build_tokenizer, warm_start
+
+        mem_dir = os.path.join(work, "mem_model")
+        tok = build_tokenizer()
+        model = build_model(tok, seed=args.seed, hidden_size=args.mem_hidden, num_layers=args.mem_layers)
+        warm_start(model, tok, steps=25, seed=args.seed)
+        model.save_pretrained(mem_dir)
+        tok.save_pretrained(mem_dir)
+        return mem_dir
+
+    def data(self, n: int, seed: int):
+        if self.name == "smollm2":
+            from trl_ppo_variants.smollm2 import word_problem_dataset
+
+            return word_problem_dataset(n, seed=seed, split="train")
+        from trl_ppo_variants.toy import addition_dataset
+
+        return addition_dataset(n, seed=seed)
+
+    def reward(self):
+        if self.name == "smollm2":
+            from trl_ppo_variants.smollm2 import word_problem_reward
+
+            return word_problem_reward
+        from trl_ppo_variants.toy import addition_reward
+
+        return addition_reward
+
+
+#: the rows of the real-model table: every trainer and the KL-in-reward comparison (a step is ~100x the toy's)
+SMOLLM2_ROWS = ["grpo", "trl_rloo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
+                "ttrl", "grpo_ref", "trl_rloo_ref", "rloo_ref", "reinforce_pp_ref", "ppo_ref"]
+
+TASKS = {
+    "toy": Task("toy", lambda a: "Toy task, tiny Qwen3 (hidden 64, 2 layers)", {}),
+    "smollm2": Task(
+        "smollm2",
+        lambda a: "SmolLM2-135M-Instruct (offline, fp32) on arithmetic word problems in its chat template",
+        dict(steps=5, warmup=1, max_len=48, lr=2e-5, acc_every=0, mem_steps=2, mem_timeout=900,
+             out=os.path.join(DEFAULT_OUT, "smollm2")),
+        rows=SMOLLM2_ROWS,
+        config={"bf16": False},  # fp32, as the demo: TRL's bf16 autocast on a CPU is another benchmark
+    ),
+}
+
+
 # ------------------------------------------------------------------------------------------------ settings
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
@@ -73,7 +140,17 @@ def parse_args(argv=None):
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-timeout", type=int, default=300)
+    p.add_argument("--model", choices=sorted(TASKS), default="toy",
+                   help="toy: the tiny model of trl_ppo_variants.toy on single-digit addition (the fast path); "
+                        "smollm2: the real SmolLM2-135M-Instruct (offline, trl_ppo_variants.smollm2) on arithmetic "
+                        "word problems, with its own defaults (--steps 5 --warmup 1 --max-len 48 --lr 2e-5, "
+                        "temperature 1.0, the rows of SMOLLM2_ROWS, results in bench/results/smollm2/)")
     args = p.parse_args(argv)
+    task = TASKS[args.model]
+    for key, value in task.defaults.items():  # a task's defaults, unless given on the command line
+        flag = "--" + key.replace("_", "-")
+        if not any(a == flag or a.startswith(flag + "=") for a in (argv if argv is not None else sys.argv[1:])):
+            setattr(args, key, value)
     if args.quick:
         args.steps, args.warmup, args.mem_steps, args.no_ref = min(args.steps, 4), 1, 2, True
         args.acc_every = 2 if args.acc_every else 0
@@ -82,6 +159,9 @@ def parse_args(argv=None):
 
 def selected(args) -> list:
     rows = list(algos.ALGOS) + ([] if args.no_ref else list(algos.ALGOS_REF))
+    task_rows = TASKS[args.model].rows
+    if task_rows is not None:
+        rows = [a for a in rows if a.name in task_rows]
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
         unknown = [n for n in names if n not in algos.ALL]
@@ -97,8 +177,7 @@ def build_trainer(algo, args, model_dir, out_dir, callbacks=(), max_steps=None):
     """Construct the trainer of row `algo` with the shared settings; raises on failure."""
     from transformers import AutoTokenizer
 
-    from trl_ppo_variants.toy import addition_dataset, addition_reward
-
+    task = TASKS[args.model]
     config_cls, trainer_cls = algo.load()
     kwargs = dict(
         output_dir=os.path.join(out_dir, algo.name),
@@ -109,6 +188,7 @@ def build_trainer(algo, args, model_dir, out_dir, callbacks=(), max_steps=None):
         logging_steps=1,
         report_to=[],
         use_cpu=True,
+        **task.config,
         seed=args.seed,
         save_strategy="no",
         disable_tqdm=True,
@@ -118,11 +198,11 @@ def build_trainer(algo, args, model_dir, out_dir, callbacks=(), max_steps=None):
     kwargs.update(algo.overrides(args.group))
     config = config_cls(**kwargs)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    common = dict(args=config, train_dataset=addition_dataset(512, seed=args.seed), processing_class=tokenizer,
+    common = dict(args=config, train_dataset=task.data(512, args.seed), processing_class=tokenizer,
                   callbacks=list(callbacks))
     if algo.reward == "own":
         return trainer_cls(model_dir, **common)
-    return trainer_cls(model_dir, addition_reward, **common)
+    return trainer_cls(model_dir, task.reward(), **common)
 
 
 # ------------------------------------------------------------------------------------------------ interleaving
@@ -289,7 +369,7 @@ def _status_kib(field_name):
 
 # What every configuration's memory child has imported before its baseline is read (the forkserver preloads it).
 PRELOAD = ["torch", "transformers", "datasets", "trl", "trl.trainer.grpo_trainer", "trl.trainer.rloo_trainer",
-           "trl_ppo_variants.toy", "trl_ppo_variants.trainers.base", "algos", "suite"]
+           "trl_ppo_variants.toy", "trl_ppo_variants.smollm2", "trl_ppo_variants.trainers.base", "algos", "suite"]
 
 
 def _memory_worker(name, model_dir, argv, out_path):
@@ -333,7 +413,8 @@ def measure_memory(rows, args, argv, mem_model_dir, work):
     for algo in rows:
         out = os.path.join(work, f"mem_{algo.name}.json")
         t0 = time.perf_counter()
-        proc = ctx.Process(target=_memory_worker, args=(algo.name, mem_model_dir, argv, out), daemon=True)
+        # not a daemon: a reward function may start its own worker process (math-verify does); killed on timeout below
+        proc = ctx.Process(target=_memory_worker, args=(algo.name, mem_model_dir, argv, out))
         proc.start()
         proc.join(args.mem_timeout)
         if proc.is_alive():
@@ -392,6 +473,8 @@ def summarize(rows, steppers, memory, skipped, args):
         res["gen_tokens_per_step"] = gen / len(steps) if steps else None
         res["gen_per_trained_token"] = gen / trained if trained else None
         res["rounds_per_step"] = sum(s["gen_calls"] for s in steps) / len(steps) if steps else None
+        gen_time = sum(s["gen_time"] for s in steps)
+        res["gen_tokens_per_s"] = gen / gen_time if gen_time else None
         res["rollout_share"] = (sum(s["rollout_time"] for s in steps) / sum(s["seconds"] for s in steps)
                                 if steps else None)
         if steppers[algo.name].keep_rate is not None:
@@ -434,21 +517,24 @@ def _fmt(x, spec=".2f", suffix=""):
 
 
 def markdown(results, machine, args):
+    task = TASKS[args.model]
+    memory_model = ("the same model" if task.name == "smollm2"
+                    else f"a hidden-{args.mem_hidden}, {args.mem_layers}-layer model")
     lines = [
-        f"Toy task, tiny Qwen3 (hidden 64, 2 layers); batch {args.batch} completions, G = {args.group}, "
-        f"max_completion_length {args.max_len}; {args.warmup} warm-up + {args.steps} measured steps per trainer, "
-        f"interleaved in one process; memory: {args.mem_steps} steps in a fresh process per row on a hidden-"
-        f"{args.mem_hidden}, {args.mem_layers}-layer model. {machine['date']}, {machine['cpu']}, "
+        f"{task.describe(args)}; batch {args.batch} completions, G = {args.group}, "
+        f"max_completion_length {args.max_len}, lr {args.lr:g}; {args.warmup} warm-up + {args.steps} measured steps "
+        f"per trainer, interleaved in one process; memory: {args.mem_steps} steps in a fresh process per row on "
+        f"{memory_model}. {machine['date']}, {machine['cpu']}, "
         f"{machine['cores_usable']} cores, torch {machine['torch']}, transformers {machine['transformers']}, "
         f"trl {machine['trl']} (1-min load average at start {machine.get('load_average_1min', '?')}).",
         "",
-        "| trainer | s/step (median) | time vs GRPO [90% CI] | trainer RSS MB (vs GRPO) | peak RSS MB | gen tok / trained tok "
-        "| rounds / step | target | result |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| trainer | s/step (median) | time vs GRPO [90% CI] | trainer RSS MB (vs GRPO) | peak RSS MB | gen tok/s "
+        "| gen tok / trained tok | rounds / step | target | result |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok":
-            lines.append(f"| {r['label']} | {r['status']} | | | | | | | |")
+            lines.append(f"| {r['label']} | {r['status']} | | | | | | | | |")
             continue
         mem = r.get("memory", {})
         if "error" in mem:
@@ -471,7 +557,7 @@ def markdown(results, machine, args):
             ratio += " [{:.2f}, {:.2f}]".format(*r["peer_ratio_ci90"]) if r.get("peer_ratio_ci90") else ""
         lines.append(
             f"| {r['label']} | {_fmt(r['median_step_s'], '.3f')} | {ratio} | {mem_cell} | {peak_cell} "
-            f"| {_fmt(r.get('gen_per_trained_token'))} | {_fmt(r.get('rounds_per_step'))} "
+            f"| {_fmt(r.get('gen_tokens_per_s'), '.0f')} | {_fmt(r.get('gen_per_trained_token'))} | {_fmt(r.get('rounds_per_step'))} "
             f"| {r.get('target', '')} | {r.get('verdict', '')} |"
         )
     return "\n".join(lines) + "\n"
@@ -483,10 +569,12 @@ def plot(curves, accuracy, labels, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    with_accuracy = any(accuracy.values())
+    fig, axes = plt.subplots(1, 2 if with_accuracy else 1, figsize=(13 if with_accuracy else 8, 4.8), squeeze=False)
+    ax1 = axes[0][0]
     colors = plt.get_cmap("tab20").colors
-    ax1.set_prop_cycle(color=colors)
-    ax2.set_prop_cycle(color=colors)
+    for ax in axes[0]:
+        ax.set_prop_cycle(color=colors)
     for name, pts in curves.items():
         if not pts:
             continue
@@ -498,14 +586,16 @@ def plot(curves, accuracy, labels, path):
     ax1.set_xlabel("optimizer step")
     ax1.set_ylabel("mean reward (logged; 5-step moving average)")
     ax1.set_title("training reward (TTRL: its majority-vote reward)")
-    for name, pts in accuracy.items():
-        if pts:
-            xs, ys = zip(*pts)
-            ax2.plot(xs, ys, marker="o", label=labels[name])
-    ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("greedy accuracy on the 25 toy prompts")
-    ax2.set_title("held-out greedy accuracy")
-    ax2.legend(fontsize=7, loc="best")
+    if with_accuracy:
+        ax2 = axes[0][1]
+        for name, pts in accuracy.items():
+            if pts:
+                xs, ys = zip(*pts)
+                ax2.plot(xs, ys, marker="o", label=labels[name])
+        ax2.set_xlabel("optimizer step")
+        ax2.set_ylabel("greedy accuracy on the 25 toy prompts")
+        ax2.set_title("held-out greedy accuracy")
+    (axes[0][-1]).legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -524,14 +614,13 @@ def main(argv=None):
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    from trl_ppo_variants.toy import build_model, build_tokenizer, make_toy_checkpoint, warm_start
-
+    task = TASKS[args.model]
     t_all = time.perf_counter()
     machine = algos.machine_description()
     rows = selected(args)
     os.makedirs(args.out, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_suite_") as work:
-        model_dir = make_toy_checkpoint(os.path.join(work, "toy_model"), seed=args.seed, warm_steps=25)
+        model_dir = task.model_dir(args, work)
         available, missing = [], {}
         for algo in rows:
             try:
@@ -542,13 +631,7 @@ def main(argv=None):
                 print(f"SKIP {algo.name}: {e}", flush=True)
         memory = {}
         if not args.no_memory:  # first, while no trainer thread exists in this process
-            mem_dir = os.path.join(work, "mem_model")
-            tok = build_tokenizer()
-            model = build_model(tok, seed=args.seed, hidden_size=args.mem_hidden, num_layers=args.mem_layers)
-            warm_start(model, tok, steps=25, seed=args.seed)
-            model.save_pretrained(mem_dir)
-            tok.save_pretrained(mem_dir)
-            del model
+            mem_dir = task.memory_model_dir(args, work, model_dir)
             print(f"memory: {len(available)} fresh processes, {args.mem_steps} steps each", flush=True)
             memory = measure_memory(available, args, argv, mem_dir, work)
         print(f"timing {len(available)} rows interleaved: {args.warmup} + {args.steps} steps each", flush=True)
