@@ -23,6 +23,18 @@ from trl_ppo_variants.rewards import math_accuracy
 
 pytestmark = pytest.mark.slow
 
+
+@pytest.fixture(autouse=True)
+def _all_cores():
+    """These tests run one process at a time on a 135M model: its matmuls use every core (the suite's default of one
+    thread suits the tiny model and the multi-process tests), and the suite's default comes back afterwards."""
+    import os
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 8)))
+    yield
+    torch.set_num_threads(before)
+
 MAX_LEN = 12
 PROBLEM = [{"role": "system", "content": "Reply with only the number."},
            {"role": "user", "content": "Anna has 7 pens and gets 5 more. How many pens does Anna have now?"}]

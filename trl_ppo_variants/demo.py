@@ -180,6 +180,14 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
             "temperature": args.temperature}
 
 
+def write_results(opts, model_dir: str, before: float, rows: list[dict], seconds: float) -> None:
+    results = {"before": before, "rows": rows, "steps": opts.steps, "seed": opts.seed, "model": model_dir,
+               "eval_prompts": opts.eval_prompts, "eval_samples": opts.eval_samples, "seconds": seconds,
+               "common": {k: v for k, v in COMMON.items() if isinstance(v, (int, float, str))}}
+    with open(os.path.join(opts.output_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
 def text_table(headers: list[str], rows: list[tuple[str, list[str] | str]]) -> str:
     """Left-aligned columns under a rule; a row is (name, cells), or (name, error text) for an algorithm that failed."""
     cells = [c for _, c in rows if not isinstance(c, str)]
@@ -345,20 +353,21 @@ def main(argv: list[str] | None = None) -> int:
             done = bar.n
             try:
                 rows.append(train_one(algo, model_dir, heldout, opts, bar))
+                bar.write(f"demo: {algo}: held-out accuracy {before:.3f} -> {rows[-1]['after']:.3f}, "
+                          f"{rows[-1]['sec_per_step']:.1f} s/step", file=sys.stderr)
             except Exception as e:  # one broken algorithm must not hide the others' results
                 rows.append({"algorithm": algo, "error": f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"})
+                bar.write(f"demo: {algo}: failed: {rows[-1]['error']}", file=sys.stderr)
             bar.update(max(0, done + opts.steps + critic_only_steps(algo) - bar.n))  # a failed or early-stopped run still counts as done
+            # written after every algorithm: an `--algo all` run stopped half-way keeps what it finished
+            write_results(opts, model_dir, before, rows, time.perf_counter() - start)
     total = time.perf_counter() - start
     ok = [r for r in rows if "error" not in r]
     print()
     print(format_table(rows, before))
     print()
     print(f"demo: {total / 60:.1f} min in all on {torch.get_num_threads()} CPU thread(s)")
-    results = {"before": before, "rows": rows, "steps": opts.steps, "seed": opts.seed, "model": model_dir,
-               "eval_prompts": opts.eval_prompts, "eval_samples": opts.eval_samples, "seconds": total,
-               "common": {k: v for k, v in COMMON.items() if isinstance(v, (int, float, str))}}
-    with open(os.path.join(opts.output_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(opts, model_dir, before, rows, total)
     title = (f"SmolLM2-135M-Instruct, word problems: {opts.steps} steps x {args0.per_device_train_batch_size} "
              f"completions, T = {args0.temperature}")
     plot = plot_curves(ok, before, os.path.join(opts.output_dir, "reward_curves.png"), title)
