@@ -82,9 +82,18 @@ def test_demo_whole_path_on_the_tiny_model(tmp_path, capsys, toy_model_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_one_step_on_the_real_model(tmp_path, capsys, smollm2_dir):
+    import os
+
+    import torch
+
     out = tmp_path / "demo"
-    code = demo.main(["--algo", "rloo", "--steps", "1", "--eval_prompts", "4", "--eval_samples", "1",
-                      "--output_dir", str(out), "--save_models"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # one process on a 135M model: every core (the suite's default is 1)
+    try:
+        code = demo.main(["--algo", "rloo", "--steps", "1", "--eval_prompts", "4", "--eval_samples", "1",
+                          "--output_dir", str(out), "--save_models"])
+    finally:
+        torch.set_num_threads(threads)
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
     assert [r[0] for r in _table_rows(captured.out)] == ["rloo"]

@@ -264,9 +264,10 @@ def _offline_cli(tmp_path, *extra):
     return ["--config", str(OFFLINE), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", *extra]
 
 
-def _offline_env():
-    # the checkpoint is already in the cache (fixture smollm2_dir): the launched processes only read it
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+def _offline_env(threads: int = 1):
+    # the checkpoint is already in the cache (fixture smollm2_dir): the launched processes only read it. One thread
+    # per process when 2 share the cores; a single process gets them all
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
 
@@ -277,7 +278,7 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
     the real model from the cache, the built-in task, the built-in reward; the trained model is saved."""
     exe = Path(sys.executable).with_name("trl-ppo-variants")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trl_ppo_variants"]
-    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(), cwd=ROOT,
+    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(os.cpu_count() or 1), cwd=ROOT,
                           capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert "trained rloo for 2 steps on 1 process(es)" in proc.stdout
