@@ -54,9 +54,15 @@ DEFAULT_OUT = os.path.join(HERE, "results")
 class Task:
     """What a suite run trains on: a model folder, a training set, a reward, and the task's default settings."""
 
-    def __init__(self, name, describe, defaults, rows=None, config=None):
+    def __init__(self, name, describe, defaults, rows=None, config=None, threads=1):
         self.name, self.describe, self.defaults, self.rows = name, describe, defaults, rows
         self.config = config or {}  # config fields of every row
+        # torch threads of the timing process and the memory runs (one trainer runs at a time in either): the tiny
+        # model's matmuls are too small to gain from more than one; 0 = every core
+        self.threads = threads
+
+    def num_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
 
     def model_dir(self, args, work) -> str:
         if self.name == "smollm2":
@@ -113,6 +119,7 @@ TASKS = {
              out=os.path.join(DEFAULT_OUT, "smollm2")),
         rows=SMOLLM2_ROWS,
         config={"bf16": False},  # fp32, as the demo: TRL's bf16 autocast on a CPU is another benchmark
+        threads=0,
     ),
 }
 
@@ -382,8 +389,8 @@ def _memory_worker(name, model_dir, argv, out_path):
     try:
         import torch
 
-        torch.set_num_threads(1)
         args = parse_args(argv)
+        torch.set_num_threads(TASKS[args.model].num_threads())
         algo = algos.ALL[name]
         algo.load()  # its module is imported before the baseline, like the libraries
         with tempfile.TemporaryDirectory() as work:
@@ -610,7 +617,7 @@ def main(argv=None):
     import torch
 
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+    torch.set_num_threads(TASKS[args.model].num_threads())
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

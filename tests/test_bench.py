@@ -136,3 +136,23 @@ def test_suite_quick_grpo_and_rloo(tmp_path):
     assert "| RLOO |" in md and "| GRPO (TRL) |" in md
     # "PASS: RLOO: ...", "MISS: RLOO: ..." or "MISS (within noise: ...): RLOO: ..." (timings on a shared machine)
     assert re.search(r"^(PASS|MISS)( \(within noise[^)]*\))?: RLOO: ", proc.stdout, flags=re.M), proc.stdout[-2000:]
+
+
+def test_smollm2_suite_takes_its_own_defaults_rows_and_threads():
+    """`bench/suite.py --model smollm2` (the headline table): its own defaults unless given on the command line, the
+    rows of `SMOLLM2_ROWS` (every trainer, TRL's RLOO, the KL comparisons), every core; the toy keeps one thread."""
+    import suite
+
+    args = suite.parse_args(["--model", "smollm2"])
+    assert (args.steps, args.warmup, args.max_len, args.lr, args.mem_steps) == (5, 1, 48, 2e-5, 2)
+    assert args.out.endswith(os.path.join("results", "smollm2"))
+    assert suite.parse_args(["--model", "smollm2", "--steps", "3", "--max-len", "32"]).steps == 3
+    assert suite.parse_args(["--model", "smollm2", "--max-len=32"]).max_len == 32
+    names = [a.name for a in suite.selected(args)]
+    assert names == [n for n in [a.name for a in algos.ALGOS + algos.ALGOS_REF] if n in suite.SMOLLM2_ROWS]
+    assert {"grpo", "trl_rloo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
+            "ttrl", "rloo_ref", "rloo_ref_forward"} <= set(names)
+    assert suite.TASKS["smollm2"].num_threads() == (os.cpu_count() or 1)
+    assert suite.TASKS["toy"].num_threads() == 1
+    toy = suite.parse_args([])
+    assert (toy.steps, toy.max_len, toy.mem_steps) == (30, 6, 3) and toy.out == suite.DEFAULT_OUT
