@@ -27,6 +27,7 @@ reason. `--quick` is a short smoke run. Run `python bench/suite.py --help`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -115,7 +116,9 @@ TASKS = {
     "smollm2": Task(
         "smollm2",
         lambda a: "SmolLM2-135M-Instruct (offline, fp32) on arithmetic word problems in its chat template",
-        dict(steps=5, warmup=1, max_len=48, lr=2e-5, acc_every=0, mem_steps=2, mem_timeout=900,
+        # timing groups of 3 rows (+ their baselines): 16 trainers of a 135M model with their optimizer states do not
+        # fit in 24 GB at once
+        dict(steps=5, warmup=1, max_len=48, lr=2e-5, acc_every=0, mem_steps=2, mem_timeout=900, group_size=3,
              out=os.path.join(DEFAULT_OUT, "smollm2")),
         rows=SMOLLM2_ROWS,
         config={"bf16": False},  # fp32, as the demo: TRL's bf16 autocast on a CPU is another benchmark
@@ -147,6 +150,12 @@ def parse_args(argv=None):
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-timeout", type=int, default=300)
+    p.add_argument("--group-size", type=int, default=0,
+                   help="time the rows in groups of this many, each with the baselines and peers its rows compare "
+                        "against (0: all in one group); ratios stay paired within a group")
+    p.add_argument("--memory-from", default=None,
+                   help="read the memory results from this memory.json (written by an earlier run with the same "
+                        "settings) instead of measuring them")
     p.add_argument("--model", choices=sorted(TASKS), default="toy",
                    help="toy: the tiny model of trl_ppo_variants.toy on single-digit addition (the fast path); "
                         "smollm2: the real SmolLM2-135M-Instruct (offline, trl_ppo_variants.smollm2) on arithmetic "
@@ -294,6 +303,30 @@ def _quiet(trainer):
 
     trainer.remove_callback(PrinterCallback)
     trainer.remove_callback(ProgressCallback)
+
+
+def timing_groups(rows, size: int) -> list[list]:
+    """The rows split into groups timed one after the other: at most `size` rows of their own per group, each group
+    led by the baselines and peers its rows are compared with (paired per round, so they must run in the same group).
+    A baseline's own result comes from the first group that times it."""
+    if size <= 0:
+        return [list(rows)]
+    by_name = {a.name: a for a in rows}
+    anchors = {a.baseline for a in rows} | {a.peer for a in rows if a.peer}
+    own = [a for a in rows if a.name not in anchors]
+    groups = []
+    for i in range(0, len(own), size):
+        part, lead = own[i:i + size], []
+        todo = [n for a in part for n in (a.baseline, a.peer) if n]
+        while todo:  # a peer's own baseline too
+            name = todo.pop(0)
+            if name in by_name and by_name[name] not in lead and by_name[name] not in part:
+                lead.append(by_name[name])
+                todo += [n for n in (by_name[name].baseline, by_name[name].peer) if n]
+        groups.append(sorted(lead, key=list(rows).index) + part)
+    placed = {a.name for g in groups for a in g}
+    rest = [a for a in rows if a.name not in placed]
+    return groups + ([rest] if rest else [])
 
 
 def run_interleaved(rows, args, model_dir, work):
@@ -637,14 +670,36 @@ def main(argv=None):
                 missing[algo.name] = f"skipped: {e}"
                 print(f"SKIP {algo.name}: {e}", flush=True)
         memory = {}
-        if not args.no_memory:  # first, while no trainer thread exists in this process
+        if args.memory_from:
+            with open(args.memory_from) as f:
+                memory = json.load(f)
+            print(f"memory: read from {args.memory_from}", flush=True)
+        elif not args.no_memory:  # first, while no trainer thread exists in this process
             mem_dir = task.memory_model_dir(args, work, model_dir)
             print(f"memory: {len(available)} fresh processes, {args.mem_steps} steps each", flush=True)
             memory = measure_memory(available, args, argv, mem_dir, work)
-        print(f"timing {len(available)} rows interleaved: {args.warmup} + {args.steps} steps each", flush=True)
-        steppers, curves, skipped = run_interleaved(available, args, model_dir, work)
-        skipped.update(missing)
-    results = summarize(rows, steppers, memory, skipped, args)
+            with open(os.path.join(args.out, "memory.json"), "w") as f:  # kept if the timing fails
+                json.dump(memory, f, indent=1)
+        steppers, curves, skipped, by_name = {}, {}, dict(missing), {}
+        groups = timing_groups(available, args.group_size)
+        for i, group in enumerate(groups):
+            print(f"timing {len(group)} rows interleaved" + (f" (group {i + 1}/{len(groups)})" if len(groups) > 1
+                                                             else "") + f": {args.warmup} + {args.steps} steps each",
+                  flush=True)
+            g_steppers, g_curves, g_skipped = run_interleaved(group, args, model_dir, work)
+            own = [a for a in group if a.name not in by_name]
+            for res in summarize(own, g_steppers, memory, {**g_skipped, **missing}, args):
+                by_name[res["name"]] = res
+            for a in own:
+                if a.name in g_steppers:
+                    steppers[a.name] = g_steppers[a.name]
+                if a.name in g_curves:
+                    curves[a.name] = g_curves[a.name]
+                if a.name in g_skipped:
+                    skipped[a.name] = g_skipped[a.name]
+            del g_steppers
+            gc.collect()  # this group's trainers, before the next group's are built
+    results = [by_name.get(a.name) or summarize([a], {}, memory, skipped, args)[0] for a in rows]
     machine["load_average_1min_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     machine["suite_seconds"] = round(time.perf_counter() - t_all, 1)
     settings = vars(args)

@@ -144,7 +144,7 @@ def test_smollm2_suite_takes_its_own_defaults_rows_and_threads():
     import suite
 
     args = suite.parse_args(["--model", "smollm2"])
-    assert (args.steps, args.warmup, args.max_len, args.lr, args.mem_steps) == (5, 1, 48, 2e-5, 2)
+    assert (args.steps, args.warmup, args.max_len, args.lr, args.mem_steps, args.group_size) == (5, 1, 48, 2e-5, 2, 3)
     assert args.out.endswith(os.path.join("results", "smollm2"))
     assert suite.parse_args(["--model", "smollm2", "--steps", "3", "--max-len", "32"]).steps == 3
     assert suite.parse_args(["--model", "smollm2", "--max-len=32"]).max_len == 32
@@ -155,4 +155,27 @@ def test_smollm2_suite_takes_its_own_defaults_rows_and_threads():
     assert suite.TASKS["smollm2"].num_threads() == (os.cpu_count() or 1)
     assert suite.TASKS["toy"].num_threads() == 1
     toy = suite.parse_args([])
-    assert (toy.steps, toy.max_len, toy.mem_steps) == (30, 6, 3) and toy.out == suite.DEFAULT_OUT
+    assert (toy.steps, toy.max_len, toy.mem_steps, toy.group_size) == (30, 6, 3, 0) and toy.out == suite.DEFAULT_OUT
+
+
+def test_timing_groups_keep_every_row_with_what_it_is_compared_with():
+    """The real model's rows are timed in groups (they do not fit in memory at once): every row is timed, in a group
+    that also holds its baseline and its peer (its ratios are paired per round); groups hold at most `size` rows of
+    their own; size 0 is one group."""
+    import suite
+
+    rows = suite.selected(suite.parse_args(["--model", "smollm2"]))
+    assert suite.timing_groups(rows, 0) == [rows]
+    for size in (1, 2, 3, 5):
+        groups = suite.timing_groups(rows, size)
+        names = [a.name for g in groups for a in g]
+        assert set(names) == {a.name for a in rows}
+        anchors = {a.baseline for a in rows} | {a.peer for a in rows if a.peer}
+        for group in groups:
+            in_group = {a.name for a in group}
+            assert len([a for a in group if a.name not in anchors]) <= size
+            for a in group:
+                assert a.baseline in in_group and (a.peer is None or a.peer in in_group), (size, a.name, in_group)
+    groups = suite.timing_groups(rows, 3)
+    assert [a.name for a in groups[0]] == ["grpo", "trl_rloo", "rloo", "remax"]
+    assert any({"grpo_ref", "trl_rloo_ref", "rloo_ref"} <= {a.name for a in g} for g in groups)
