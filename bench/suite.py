@@ -118,7 +118,7 @@ TASKS = {
         lambda a: "SmolLM2-135M-Instruct (offline, fp32) on arithmetic word problems in its chat template",
         # timing groups of 3 rows (+ their baselines): 16 trainers of a 135M model with their optimizer states do not
         # fit in 24 GB at once
-        dict(steps=5, warmup=1, max_len=48, lr=2e-5, acc_every=0, mem_steps=2, mem_timeout=900, group_size=3,
+        dict(steps=3, warmup=1, max_len=32, lr=2e-5, acc_every=0, mem_steps=2, mem_timeout=900, group_size=3,
              out=os.path.join(DEFAULT_OUT, "smollm2")),
         rows=SMOLLM2_ROWS,
         config={"bf16": False},  # fp32, as the demo: TRL's bf16 autocast on a CPU is another benchmark
@@ -159,7 +159,7 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=sorted(TASKS), default="toy",
                    help="toy: the tiny model of trl_ppo_variants.toy on single-digit addition (the fast path); "
                         "smollm2: the real SmolLM2-135M-Instruct (offline, trl_ppo_variants.smollm2) on arithmetic "
-                        "word problems, with its own defaults (--steps 5 --warmup 1 --max-len 48 --lr 2e-5, "
+                        "word problems, with its own defaults (--steps 3 --warmup 1 --max-len 32 --lr 2e-5, "
                         "temperature 1.0, the rows of SMOLLM2_ROWS, results in bench/results/smollm2/)")
     args = p.parse_args(argv)
     task = TASKS[args.model]

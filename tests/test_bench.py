@@ -144,7 +144,7 @@ def test_smollm2_suite_takes_its_own_defaults_rows_and_threads():
     import suite
 
     args = suite.parse_args(["--model", "smollm2"])
-    assert (args.steps, args.warmup, args.max_len, args.lr, args.mem_steps, args.group_size) == (5, 1, 48, 2e-5, 2, 3)
+    assert (args.steps, args.warmup, args.max_len, args.lr, args.mem_steps, args.group_size) == (3, 1, 32, 2e-5, 2, 3)
     assert args.out.endswith(os.path.join("results", "smollm2"))
     assert suite.parse_args(["--model", "smollm2", "--steps", "3", "--max-len", "32"]).steps == 3
     assert suite.parse_args(["--model", "smollm2", "--max-len=32"]).max_len == 32
