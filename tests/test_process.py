@@ -333,3 +333,14 @@ def test_refused_where_the_estimator_takes_no_token_rewards(tmp_path, toy_model_
                     step_reward_funcs=[digit_step_rewards], train_dataset=addition_dataset(16))
     with pytest.raises(TypeError, match="process_reward_model_path"):
         toy_args(RLOOConfig, tmp_path, process_reward_model_path=prm_dir)
+
+
+def test_outcome_as_one_step_wraps_each_outcome_reward_as_a_one_step_list():
+    from trl_ppo_variants.process import outcome_as_one_step
+
+    def reward(completions, answer, **kwargs):
+        return [1.0 if c == a else (None if a is None else 0.0) for c, a in zip(completions, answer)]
+
+    steps = outcome_as_one_step(reward)
+    assert steps.__name__ == "one_step_reward"
+    assert steps(completions=["7", "8", "9"], answer=["7", "7", None], prompts=["p"] * 3) == [[1.0], [0.0], [None]]

@@ -147,6 +147,11 @@ def algorithm_available(name: str) -> bool:
     return importlib.util.find_spec(f"trl_ppo_variants.trainers.{ALGORITHMS[name].module}") is not None
 
 
+def installed_algorithms() -> list[str]:
+    """The names of `ALGORITHMS` whose modules are installed, in their order."""
+    return [name for name in ALGORITHMS if algorithm_available(name)]
+
+
 def load_algorithm(name: str):
     """(config class, trainer class) of an algorithm, or a CLIError naming what is missing."""
     if name not in ALGORITHMS:

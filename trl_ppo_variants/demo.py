@@ -94,22 +94,15 @@ def trainer_classes(algo: str):
 
 def algorithm_names() -> list[str]:
     """Every algorithm `--algo all` trains: the reference, then each installed one of the package."""
-    from .cli import ALGORITHMS, algorithm_available
+    from .cli import installed_algorithms
 
-    return [REFERENCE] + [name for name in ALGORITHMS if algorithm_available(name)]
+    return [REFERENCE] + installed_algorithms()
 
 
 def critic_only_steps(algo: str) -> int:
     """Steps at the start that train only a critic (VAPO's value pre-training, PPO's critic warm-up)."""
     settings = ALGO_SETTINGS.get(algo, {})
     return settings.get("value_pretrain_steps", 0) or settings.get("critic_warmup_steps", 0)
-
-
-def one_step_reward(completions, answer, **kwargs) -> list[list[float | None]]:
-    """Process GRPO's step reward on the word problems: the task reward as the reward of the answer's one step."""
-    from .smollm2 import word_problem_reward
-
-    return [[r] for r in word_problem_reward(completions, answer)]
 
 
 def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
@@ -148,6 +141,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
+    from .process import outcome_as_one_step
     from .smollm2 import word_problem_dataset, word_problem_reward
 
     _, trainer_cls = trainer_classes(algo)
@@ -158,7 +152,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     train = word_problem_dataset(max(64, opts.steps * prompts_per_step * 2), seed=opts.seed + TRAIN_SEED_OFFSET)
     rewards, extra = (None, {}) if algo == "ttrl" else (word_problem_reward, {})
     if algo == "process_grpo":
-        rewards, extra = None, {"step_reward_funcs": [one_step_reward]}
+        rewards, extra = None, {"step_reward_funcs": [outcome_as_one_step(word_problem_reward)]}
     trainer = trainer_cls(model=model, reward_funcs=rewards, args=args, train_dataset=train,
                           processing_class=tokenizer, callbacks=[_progress(bar, algo)], **extra)
     trainer.remove_callback(PrinterCallback)  # the progress bar replaces the per-step dict printout

@@ -163,6 +163,17 @@ class StepMapper:
         return self.ends
 
 
+def outcome_as_one_step(reward_func: Callable, name: str = "one_step_reward") -> Callable:
+    """A step reward function made of an outcome reward function: the whole completion is one step whose reward is
+    the outcome reward (None stays None). Process GRPO then trains exactly as GRPO on that reward."""
+
+    def step_rewards(*args, **kwargs) -> list[list[float | None]]:
+        return [[r] for r in reward_func(*args, **kwargs)]
+
+    step_rewards.__name__ = name
+    return step_rewards
+
+
 class StepRewardFunction:
     """A step reward source as a TRL reward function: TRL gets the sum of each completion's step rewards, the lists
     stay in `last` (NaN-padded per completion to its own step count)."""

@@ -48,13 +48,6 @@ ALGO_SETTINGS: dict[str, dict] = {
     "process_grpo": {},
 }
 
-def one_step_reward(completions, answer, **kwargs) -> list[list[float]]:
-    """Process GRPO's step reward on the toy task: the toy reward as the reward of the answer's single step."""
-    from .toy import addition_reward
-
-    return [[r] for r in addition_reward(completions, answer)]
-
-
 def first_number(completion) -> str | None:
     """TTRL's answer extractor for the toy task: the first number, as `toy.addition_reward` reads it (the built-in
     `math` extractor takes the last number, which differs on a truncated completion such as `"7+3"`)."""
@@ -103,12 +96,6 @@ def _progress_callback(total: int, label: str):
     return Progress()
 
 
-def available_algorithms() -> list[str]:
-    from .cli import ALGORITHMS, algorithm_available
-
-    return [name for name in ALGORITHMS if algorithm_available(name)]
-
-
 def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) -> dict:
     """Train a fresh copy of the warm-started toy model with `algo`; returns its row of the table and its curve."""
     import torch
@@ -117,6 +104,7 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
     from .cli import load_algorithm
     from transformers import PrinterCallback
 
+    from .process import outcome_as_one_step
     from .toy import addition_dataset, addition_reward
 
     config_cls, trainer_cls = load_algorithm(algo)
@@ -133,7 +121,7 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
     reward_funcs = [] if algo == "ttrl" else [addition_reward]  # TTRL: no labels, its own majority-vote reward
     extra = {}
     if algo == "process_grpo":
-        reward_funcs, extra = [], {"step_reward_funcs": [one_step_reward]}
+        reward_funcs, extra = [], {"step_reward_funcs": [outcome_as_one_step(addition_reward)]}
     trainer = trainer_cls(
         model=model,
         reward_funcs=reward_funcs if reward_funcs else None,
@@ -224,15 +212,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .cli import ALGORITHMS
+    from .cli import ALGORITHMS, installed_algorithms
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     if opts.algo is not None and opts.algo not in ALGORITHMS:
         print(f"demo: error: unknown algorithm '{opts.algo}': expected one of {', '.join(ALGORITHMS)}",
               file=sys.stderr)
         return 2
-    algos = [opts.algo] if opts.algo else available_algorithms()
-    missing = [a for a in ALGORITHMS if a not in available_algorithms()]
+    installed = installed_algorithms()
+    algos = [opts.algo] if opts.algo else installed
+    missing = [a for a in ALGORITHMS if a not in installed]
     if opts.algo and opts.algo in missing:
         print(f"demo: error: algorithm '{opts.algo}' is not installed", file=sys.stderr)
         return 2
