@@ -14,7 +14,7 @@ import torch
 from conftest import perturb, toy_args
 from trl import GRPOTrainer
 
-from trl_ppo_variants import generation
+from trl_ppo_variants import generation, selection
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.ppo import PPOConfig, PPOTrainer
 from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
@@ -362,3 +362,107 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0 and "SAMPLING-LOGPS-2PROC-OK" in proc.stdout, (
         f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+
+
+# ------------------------------------------------------------------------------------------------ the matrix
+# Every configuration a user can reach with HF `generate`: the recorded log-probs are the training forward's (1e-5;
+# exact under bf16 autocast on CPU) and the KL in the reward is 0 at step 0 with policy == reference, or the trainer
+# takes the forward pass (logged), and trains. Each row is one optimizer step of a fresh trainer.
+FALLBACK = "sampling_logps/forward_fallback"
+
+
+@pytest.fixture(scope="module")
+def gpt2_model_dir(tmp_path_factory):
+    """A tiny GPT-2 (learned absolute position embeddings) on the toy tokenizer, random, no dropout (TRL's policy
+    forward runs in train mode), LM head untied (so that `cast_lm_head_to_fp32` applies)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from trl_ppo_variants.toy import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("gpt2"))
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _prompts(padded: bool, n: int = 64):
+    """The toy prompts (all of one length) or, `padded`, some lengthened by 1-2 words: left padding in each batch."""
+    from datasets import Dataset
+
+    from trl_ppo_variants.toy import addition_dataset
+
+    rows = [dict(row) for row in addition_dataset(n, seed=0)]
+    if padded:
+        for i, row in enumerate(rows):
+            row["prompt"] = "a " * (i % 3) + row["prompt"]
+    return Dataset.from_list(rows)
+
+
+QWEN, GPT2 = "qwen3", "gpt2"
+LORA = {QWEN: dict(target_modules=["q_proj", "v_proj"]), GPT2: dict(target_modules=["c_attn"], fan_in_fan_out=True)}
+RLOO_KL = (RLOOTrainer, RLOOConfig, dict(beta=0.05))
+ONE_ROW = (ReinforcePPTrainer, ReinforcePPConfig,  # assisted decoding needs a batch of one row
+           dict(beta=None, kl_in_reward_coef=0.05, num_generations=1, per_device_train_batch_size=1))
+
+#: name: (model, left padding, PEFT, trainer, config overrides, "recorded" or "forward")
+MATRIX = {
+    "rope-padded": (QWEN, True, False, RLOO_KL, {}, "recorded"),
+    "rope-unpadded": (QWEN, False, False, RLOO_KL, {}, "recorded"),
+    "rope-padded-peft": (QWEN, True, True, RLOO_KL, {}, "recorded"),
+    "rope-padded-bf16": (QWEN, True, False, RLOO_KL, dict(bf16=True), "recorded"),
+    "rope-padded-peft-bf16": (QWEN, True, True, RLOO_KL, dict(bf16=True), "recorded"),  # defect: fp32 decoding
+    "rope-no-cache": (QWEN, True, False, RLOO_KL, dict(generation_kwargs={"use_cache": False}), "recorded"),
+    "rope-gradient-checkpointing": (QWEN, True, False, RLOO_KL, dict(gradient_checkpointing=True), "recorded"),
+    "rope-beams": (QWEN, True, False, RLOO_KL, dict(generation_kwargs={"num_beams": 2}), "forward"),  # defect: crash
+    "rope-greedy-beams": (QWEN, False, False, RLOO_KL, dict(generation_kwargs={"num_beams": 2, "do_sample": False}),
+                          "forward"),
+    "rope-prompt-lookup": (QWEN, False, False, ONE_ROW, dict(generation_kwargs={"prompt_lookup_num_tokens": 2}),
+                           "forward"),
+    "learned-unpadded": (GPT2, False, False, RLOO_KL, {}, "recorded"),
+    "learned-padded": (GPT2, True, False, RLOO_KL, {}, "forward"),  # defect: positions
+    "learned-unpadded-peft-bf16": (GPT2, False, True, RLOO_KL, dict(bf16=True), "recorded"),
+    "learned-padded-peft-bf16": (GPT2, True, True, RLOO_KL, dict(bf16=True), "forward"),
+    "learned-lm-head-fp32-bf16": (GPT2, False, False, RLOO_KL, dict(bf16=True, cast_lm_head_to_fp32=True), "forward"),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(MATRIX))
+def test_recorded_logps_equal_the_forward_or_fall_back(name, toy_model_dir, gpt2_model_dir, tmp_path):
+    from peft import LoraConfig
+
+    model, padded, peft, (trainer_cls, config_cls, kl), overrides, expected = MATRIX[name]
+    settings = dict(max_completion_length=6, max_steps=1, bf16=False, temperature=0.9, repetition_penalty=1.2)
+    args = toy_args(config_cls, tmp_path, **{**settings, **kl, **overrides})
+    trainer = trainer_cls(toy_model_dir if model == QWEN else gpt2_model_dir, addition_reward, args=args,
+                          train_dataset=_prompts(padded),
+                          peft_config=LoraConfig(r=4, **LORA[model]) if peft else None)  # LoRA B = 0: policy == ref
+    seen = []
+    sampling_logps = trainer.sampling_logps
+
+    def spy(output):
+        used = sampling_logps(output)
+        # the training forward, before any update
+        seen.append((dict(output), used, _forward_logps(trainer, output), selection.loss_mask(output).bool()))
+        return used
+
+    trainer.sampling_logps = spy
+    trainer.train()
+
+    assert trainer.state.global_step == 1 and len(seen) == 1
+    output, used, forward, mask = seen[0]
+    assert (output["prompt_mask"] == 0).any() == padded
+    logged = trainer.state.log_history[0]
+    assert abs(logged["kl_in_reward"]) < 1e-6 and math.isfinite(logged["loss"])
+    torch.testing.assert_close(used[mask], forward[mask], rtol=0, atol=1e-5)
+    if expected == "recorded":
+        torch.testing.assert_close(output["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
+    assert logged.get(FALLBACK) == (0.0 if expected == "recorded" else 1.0)

@@ -26,8 +26,30 @@ sees penalised scores. Two pieces work together:
 
 Memory: two (B, V) float32 tensors at a time plus (B,) per step; never (B, T, V) (unlike `output_scores` or
 `output_logits`). A self-check compares the tokens paired during the call with the returned sequences: any
-disagreement (beam search, assisted decoding, a model whose forward returns no `logits`, a compiled forward that
-skips the hook) gives up the recording for that call (NaN), and the trainer falls back to the forward pass.
+disagreement (a row count that changed, rows reordered, a model whose forward returns no `logits`, a compiled
+forward that skips the hook) gives up the recording for that call (NaN), and the trainer falls back to the forward
+pass.
+
+Where the recorded numbers are the training forward's, and where they cannot be (the trainer then does not use them,
+`VariantTrainer.sampling_logps`):
+
+- decoding modes (`unrecordable_reason`): only plain sampling and greedy decoding run one forward per token on the
+  rows they return. Beam search (`num_beams > 1`) keeps batch x beams rows and reorders them, assisted / prompt-lookup
+  decoding scores several candidate tokens per forward, and `num_return_sequences > 1` changes the row count: their
+  steps are not one (row, token) pair per forward, so nothing is recorded.
+- positions (`relative_positions`): `generate` derives `position_ids` from the attention mask (a left-padded row
+  starts at 0), TRL's training and reference forwards pass none (positions count from the first column, pads
+  included). With rotary embeddings only position differences enter attention and the shift cancels; with a learned
+  or sinusoidal position table (GPT-2, GPT-Neo, GPT-BigCode, OPT, ...) or a RoPE whose frequencies depend on the
+  largest position ("dynamic", "longrope") it does not, so the recorded numbers of a left-padded row are not the
+  training forward's. The KL in the reward must compare like with like (the reference's log-probs come from that
+  forward), and changing the positions `generate` samples with would change the sampling itself (away from TRL's,
+  and from the positions the model sees at inference): for such models a batch with left padding takes the forward.
+- precision: the training forward runs under accelerate's autocast (mixed precision). A prepared plain model's
+  forward is wrapped in it, so `generate` runs under it too; PEFT's `generate` runs the base model's forward, outside
+  it. The trainer runs the recording `generate` calls under the same autocast (`VariantTrainer._generate_single_turn`).
+  `cast_lm_head_to_fp32` under autocast (the training forward's LM head in fp32 outside autocast, `generate`'s in
+  bf16 inside it) is not recorded.
 """
 
 from __future__ import annotations
@@ -35,7 +57,42 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.configuration_utils import GenerationMode
+
+#: decoding modes that run one forward per generated token on the rows they return (see the module docstring)
+RECORDABLE_MODES = (GenerationMode.SAMPLE, GenerationMode.GREEDY_SEARCH)
+#: rotary types whose frequencies depend on the largest position id of the batch (a shift can change them)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def unrecordable_reason(generation_config: GenerationConfig | None) -> str | None:
+    """Why `generate` with this config cannot be recorded (a short phrase), or None when it can: any decoding mode
+    but sampling and greedy decoding (beam search, assisted / prompt-lookup decoding, ...), or more than one returned
+    sequence per input row."""
+    if generation_config is None:
+        return None
+    mode = generation_config.get_generation_mode()
+    if mode not in RECORDABLE_MODES:
+        return f"decoding mode {mode.value!r}"
+    if (generation_config.num_return_sequences or 1) > 1:
+        return f"num_return_sequences={generation_config.num_return_sequences}"
+    return None
+
+
+def relative_positions(model: torch.nn.Module) -> bool:
+    """Whether the model only sees position differences, so that shifting every position id of a row by the same
+    amount leaves its logits unchanged (up to float rounding): rotary embeddings whose frequencies do not depend on
+    the sequence length. False for learned or sinusoidal position tables (GPT-2, OPT, ...), for "dynamic" and
+    "longrope" RoPE, and for models this cannot tell (ALiBi, a rotary module under another name): a False only costs
+    the forward pass for left-padded batches."""
+    ropes = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+    for rope in ropes:
+        kinds = getattr(rope, "rope_type", "default")
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]  # per layer type (Gemma 3, ...)
+        if any(kind in LENGTH_DEPENDENT_ROPE for kind in kinds):
+            return False
+    return bool(ropes)
 
 
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -69,7 +126,9 @@ class SamplingLogpsRecorder(LogitsProcessor):
         self._latest = logits[:, -1].detach().to(torch.float32, copy=True)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._previous is not None:
+        if self._previous is not None and self._previous.shape[0] != input_ids.shape[0]:
+            self.broken = True  # never paired: rows of another count (no crash mid-call, the call gives up)
+        elif self._previous is not None:
             self._pair(self._previous, input_ids[:, -1])
         elif self._logps:  # a step whose forward pass the hook did not see
             self.broken = True
@@ -87,7 +146,12 @@ class SamplingLogpsRecorder(LogitsProcessor):
         """(B, n) log-probs of `sequences[:, prompt_width:]` (float32), or None when they cannot be trusted."""
         generated = sequences[:, prompt_width:]
         n = generated.shape[1]
-        if len(self._logps) == n - 1 and self._previous is not None:  # the last step's token is known only now
+        rows = generated.shape[0]
+        # a changed row count (beams, several sequences per row) is checked before anything is paired
+        if any(t.shape[0] != rows for t in (self._previous, self._latest, *self._tokens) if t is not None):
+            self.broken = True
+        if not self.broken and len(self._logps) == n - 1 and self._previous is not None:
+            # the last step's token is known only now
             self._pair(self._previous, generated[:, -1])
         self._previous = self._latest = None
         # more steps than columns: `generate` undid speculative steps (deferred stop checks); they are dropped
@@ -109,7 +173,7 @@ def logits_module(model) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def patched_generate(model, processors=(), temperature: float | None = None):
+def patched_generate(model, processors=(), temperature: float | None = None, column_positions: bool = False):
     """Route `model.generate` through extra logits `processors` and, when `temperature` is given, record the
     sampling-time log-probs (`SamplingLogpsRecorder`), for the duration of the block.
 
@@ -133,6 +197,10 @@ def patched_generate(model, processors=(), temperature: float | None = None):
             recorder = SamplingLogpsRecorder(temperature)
             merged.append(recorder)
             handle = logits_module(model).register_forward_hook(recorder.hook)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if column_positions and isinstance(input_ids, torch.Tensor) and kwargs.get("position_ids") is None:
+            # positions counted from the first column, pads included, as in TRL's forwards (see the docstring)
+            kwargs["position_ids"] = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         try:
             out = inner(*args, logits_processor=merged, **kwargs)
         finally:
@@ -141,9 +209,10 @@ def patched_generate(model, processors=(), temperature: float | None = None):
         logps = None
         if recorder is not None:
             sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
-            input_ids = kwargs.get("input_ids", args[0] if args else None)
             if isinstance(sequences, torch.Tensor) and isinstance(input_ids, torch.Tensor):
                 logps = recorder.finish(sequences, input_ids.shape[1])
+                if sequences.shape[0] != input_ids.shape[0]:  # rows are not the prompts' rows any more
+                    logps = None
         calls.append(logps)
         return out
 

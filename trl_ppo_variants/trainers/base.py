@@ -19,10 +19,12 @@ not copy that method (TRL deleted several of its own experimental trainers whose
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
+from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
 from .. import checkpointing, generation, guards, selection
@@ -46,8 +48,13 @@ TRL_PRIVATE_API = {
 }
 
 
+logger = logging.get_logger(__name__)
+
 #: values of `VariantConfig.sampling_logps_source`
 SAMPLING_LOGPS_SOURCES = ("generate", "forward")
+#: the logged share of KL-in-reward batches whose sampling log-probs took the forward pass although
+#: `sampling_logps_source="generate"` (0.0: the generation's were used)
+FORWARD_FALLBACK_METRIC = "sampling_logps/forward_fallback"
 
 
 def check(condition: bool, field_name: str, expected: str, value) -> None:
@@ -116,10 +123,18 @@ class VariantConfig(GRPOConfig):
             x num_iterations` not dividing `gradient_accumulation_steps`). `"generate"`: recorded during HF
             `generate` (the raw logits / `temperature`, before any logits processor or top-k/top-p warping), or
             vLLM's own log-probs; no extra forward pass. `"forward"`: one more no-grad forward pass of the policy
-            over the batch, as TRL computes them. In fp32 on CPU both agree to 1e-5; on a GPU `generate`'s
-            KV-cached bf16 kernels differ slightly from the training forward (the same training/inference mismatch
-            TRL accepts for vLLM's log-probs); vLLM's are its processed log-probs, renormalised after top-k/top-p
-            when those are set. Without a KL in the reward it changes nothing.
+            over the batch, as TRL computes them. With HF `generate`, sampling or greedy decoding, both agree to
+            1e-5 in fp32 and to float rounding under bf16 autocast on CPU (with or without PEFT, KV cache, gradient
+            checkpointing); on a GPU `generate`'s KV-cached kernels round slightly differently from the training
+            forward in bf16 (the training/inference mismatch TRL accepts for vLLM's log-probs). The recording
+            `generate` runs under the training forward's autocast (mixed precision), which PEFT's `generate`
+            otherwise skips. Where the recorded numbers cannot be the training forward's, the KL takes the forward
+            pass automatically, on every process at once, logged as `sampling_logps/forward_fallback` (1.0 for such
+            a batch): beam search, assisted / prompt-lookup decoding, `cast_lm_head_to_fp32` under mixed precision,
+            and left-padded batches of a model without rotary positions (GPT-2, OPT, ...: `generate` numbers
+            positions from the first real token, TRL's forwards from the first column, so the two differ on padded
+            rows; the reference's log-probs come from the forward). vLLM's are its processed log-probs, renormalised
+            after top-k/top-p when those are set. Without a KL in the reward it changes nothing.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -150,8 +165,10 @@ class VariantConfig(GRPOConfig):
         default="generate",
         metadata={
             "help": "Sampling log-probs for the KL in the reward: 'generate' (recorded while generating, or vLLM's; "
-            "no extra forward pass; on GPU generate's bf16 kernels differ slightly from the training forward, as "
-            "vLLM's do) or 'forward' (one more no-grad policy forward pass, TRL's numbers)."
+            "no extra forward pass; equal to the training forward on CPU, on GPU bf16 kernels differ slightly, as "
+            "vLLM's do; beam search, assisted decoding and left-padded batches of models without rotary positions "
+            "fall back to the forward automatically, logged as sampling_logps/forward_fallback) or 'forward' (one "
+            "more no-grad policy forward pass, TRL's numbers)."
         },
     )
 
@@ -181,6 +198,9 @@ class VariantConfig(GRPOConfig):
         check(self.sampling_logps_source in SAMPLING_LOGPS_SOURCES, "sampling_logps_source",
               f"one of {SAMPLING_LOGPS_SOURCES}", self.sampling_logps_source)
         check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
+        returned = (self.generation_kwargs or {}).get("num_return_sequences") or 1
+        check(returned == 1, "generation_kwargs", "no num_return_sequences above 1 (TRL's generation keeps one "
+              "completion per prompt row; num_generations sets the group size)", self.generation_kwargs)
         check(self.epsilon >= 0, "epsilon", "a number >= 0", self.epsilon)
         if self.epsilon_high is not None:
             check(self.epsilon_high >= 0, "epsilon_high", "a number >= 0", self.epsilon_high)
@@ -261,6 +281,8 @@ class VariantTrainer(GRPOTrainer):
         else:
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.beta = 1.0 if self.needs_reference else 0.0
+        #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
+        self.relative_positions = generation.relative_positions(self.model)
         guards.check_model_limits(self)
 
     #: the config class this trainer takes (a subclass sets its own)
@@ -351,12 +373,22 @@ class VariantTrainer(GRPOTrainer):
         """Whether HF `generate` records the sampling log-probs (only the KL in the reward reads them)."""
         return self.kl_in_reward_coef != 0.0 and self.sampling_logps_source == "generate"
 
+    def unrecordable_reason(self) -> str | None:
+        """Why HF `generate` cannot record log-probs equal to the training forward's in this configuration (a
+        phrase for the fallback warning), or None: a decoding mode other than sampling or greedy decoding
+        (`generation.unrecordable_reason`), or `cast_lm_head_to_fp32` under mixed precision (the training forward
+        runs its LM head in fp32 outside autocast, `generate` inside it)."""
+        reason = generation.unrecordable_reason(getattr(self, "generation_config", None))
+        if reason is None and self.args.cast_lm_head_to_fp32 and self.accelerator.native_amp:
+            reason = "cast_lm_head_to_fp32 under mixed precision"
+        return reason
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Every change to TRL's HF `generate` call goes through one wrapper (generation.patched_generate): ReMax's
         # greedy rows and the sampling log-probs that spare the KL in the reward a forward pass.
         processors = self.generation_logits_processors()
         hf_generate = not self.use_vllm and not self.use_transformers_continuous_batching
-        record = hf_generate and self.records_sampling_logps()
+        record = hf_generate and self.records_sampling_logps() and self.unrecordable_reason() is None
         if processors and not hf_generate:
             raise RuntimeError(f"{type(self).__name__}: logits processors need HF `generate` (not vLLM or "
                                "transformers continuous batching)")
@@ -365,7 +397,14 @@ class VariantTrainer(GRPOTrainer):
                                                  has_tool_images)
         target = self.accelerator.unwrap_model(self.model_wrapped)
         temperature = self.temperature if record else None
-        with generation.patched_generate(target, processors, temperature) as calls:
+        # A recording `generate` runs under the training forward's autocast, so that the recorded numbers are that
+        # forward's. A prepared plain model's forward is wrapped in it already (a no-op then); PEFT's `generate` runs
+        # the base model's forward outside it (fp32 decoding under bf16 mixed precision). Only when recording: the
+        # tokens are then sampled with the numerics the loss and the KL see; without a recording the sampling stays
+        # exactly TRL's (`sampling_logps_source="forward"` keeps it so with a KL too).
+        autocast = self.accelerator.autocast() if record else contextlib.nullcontext()
+        column_positions = record and self.relative_positions
+        with autocast, generation.patched_generate(target, processors, temperature, column_positions) as calls:
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
@@ -532,19 +571,27 @@ class VariantTrainer(GRPOTrainer):
 
         In order: TRL's `old_per_token_logps` when it computed them (importance sampling: the training forward's
         numbers); else, with `sampling_logps_source="generate"`, those of the generation (`sampling_per_token_logps`:
-        recorded during HF `generate` by `_generate_single_turn`, or vLLM's), when every loss token has one; else one
-        no-grad forward pass of the policy (TRL's `_get_per_token_logps_and_entropies`), the documented fallback.
+        recorded during HF `generate` by `_generate_single_turn`, or vLLM's) when every process can use its own
+        (`unusable_sampling_logps`); else one no-grad forward pass of the policy (TRL's
+        `_get_per_token_logps_and_entropies`), the documented fallback, logged as `FORWARD_FALLBACK_METRIC`.
         """
         old = output.get("old_per_token_logps")
         if old is not None:
             return old
-        sampled = output.get("sampling_per_token_logps")
-        if self.sampling_logps_source == "generate" and sampled is not None:
-            mask = selection.loss_mask(output).bool()
-            usable = sampled.shape == mask.shape and not torch.isnan(sampled[mask]).any()
+        if self.sampling_logps_source == "generate":
+            reason = self.unusable_sampling_logps(output)
             # one decision for every process: the fallback forward is a collective under ZeRO-3 / FSDP
-            if self.accelerator.gather(torch.tensor([usable], device=sampled.device)).all():
+            flags = self.accelerator.gather(torch.tensor([reason is None], device=self.accelerator.device))
+            usable = bool(flags.all())
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode][FORWARD_FALLBACK_METRIC].append(0.0 if usable else 1.0)
+            if usable:
+                sampled = output["sampling_per_token_logps"]
+                mask = selection.loss_mask(output).bool()
                 return torch.where(mask, sampled, torch.zeros_like(sampled))
+            if reason is not None:
+                logger.warning_once(f"sampling_logps_source='generate': {reason}; the KL in the reward takes one "
+                                    f"more forward pass of the policy instead (logged as {FORWARD_FALLBACK_METRIC})")
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         with torch.no_grad():
@@ -554,6 +601,27 @@ class VariantTrainer(GRPOTrainer):
                 else self.args.per_device_eval_batch_size,
             )
         return old
+
+    def unusable_sampling_logps(self, output: dict) -> str | None:
+        """Why this process's generation log-probs (`output["sampling_per_token_logps"]`) are not the training
+        forward's numbers (a phrase for the fallback warning), or None when they are usable.
+
+        Not there (nothing recorded: `unrecordable_reason`, continuous batching), not every loss token scored (a
+        recording that failed its self-check, a token vLLM could not score), or a left-padded batch of a model whose
+        logits depend on absolute positions (`generation.relative_positions`): `generate` (and vLLM) number a row's
+        positions from its first token, TRL's training and reference forwards from the first column, pads included,
+        so a padded row's log-probs differ between the two and the KL would depend on how much padding a prompt got.
+        """
+        sampled = output.get("sampling_per_token_logps")
+        if sampled is None:
+            return self.unrecordable_reason() or "the generation returned no log-probs"
+        mask = selection.loss_mask(output).bool()
+        if sampled.shape != mask.shape or torch.isnan(sampled[mask]).any():
+            return "the recording during `generate` failed its self-check (rows or tokens changed)"
+        if not (output["prompt_mask"] != 0).all() and not self.relative_positions:
+            return ("left-padded prompts with a model whose logits depend on absolute positions (`generate` and "
+                    "TRL's forward number a padded row's positions differently)")
+        return None
 
     def reference_kl(self, output: dict) -> torch.Tensor | None:
         """Per-token KL(pi_old || ref) with `kl_in_reward_estimator`, for KL-in-reward estimators. Local (B, T).
