@@ -23,6 +23,7 @@ from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
+FALLBACK = "sampling_logps/forward_fallback"
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces
@@ -80,6 +81,71 @@ def test_recorder_gives_up_when_it_cannot_be_trusted():
     assert [len(r) for r in rows] == [2, 1] and all(math.isnan(x) for r in rows for x in r)
 
 
+def test_recorder_gives_up_on_a_row_count_change():
+    """Beam search keeps batch x beams rows while `generate` returns batch rows: the recording gives up (None) instead
+    of pairing rows of different counts (which raised a size mismatch and ended training)."""
+    torch.manual_seed(0)
+    logits = [torch.randn(4, 5) for _ in range(3)]  # 2 rows x 2 beams
+    tokens = [torch.tensor([1, 4, 0, 2]), torch.tensor([0, 2, 1, 1]), torch.tensor([3, 3, 0, 0])]
+    rec = generation.SamplingLogpsRecorder(1.0)
+    sequences = _fake_generate(rec, logits, tokens)
+    assert rec.finish(sequences[::2], 3) is None  # the best beam of each row
+    rec = generation.SamplingLogpsRecorder(1.0)
+    rec.hook(None, (), SimpleNamespace(logits=torch.zeros(4, 1, 5)))
+    rec(torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 5))
+    rec.hook(None, (), SimpleNamespace(logits=torch.zeros(4, 1, 5)))
+    assert rec(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5)) is not None and rec.broken  # no raise
+
+
+@pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_beams": 2, "do_sample": False}, {"num_return_sequences": 2}])
+def test_generate_with_other_rows_records_nothing(kwargs, toy_model_dir):
+    """A real `generate` through the wrapper, with beams or several sequences per prompt: no crash, nothing recorded
+    (the trainer then takes the forward pass); plain sampling on the same prompts records."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    settings = dict(input_ids=ids, attention_mask=(ids != 0).long(), max_new_tokens=3, do_sample=True)
+    with generation.patched_generate(model, temperature=1.0) as calls:
+        out = model.generate(**{**settings, **kwargs})
+        sampled = model.generate(**settings)
+    assert out.shape[0] == 2 * kwargs.get("num_return_sequences", 1)
+    assert calls[0] is None and calls[1].shape == (2, sampled.shape[1] - 4) and not calls[1].isnan().any()
+
+
+def test_unrecordable_decoding_modes():
+    from transformers import GenerationConfig
+
+    assert generation.unrecordable_reason(None) is None
+    assert generation.unrecordable_reason(GenerationConfig(do_sample=True, top_k=5)) is None
+    assert generation.unrecordable_reason(GenerationConfig(do_sample=False)) is None  # greedy
+    assert generation.unrecordable_reason(GenerationConfig(do_sample=True, num_beams=2)) == "decoding mode 'beam_sample'"
+    assert generation.unrecordable_reason(GenerationConfig(num_beams=2)) == "decoding mode 'beam_search'"
+    lookup = GenerationConfig(do_sample=True, prompt_lookup_num_tokens=3)
+    assert generation.unrecordable_reason(lookup) == "decoding mode 'assisted_generation'"
+    assert generation.unrecordable_reason(GenerationConfig(do_sample=True, num_return_sequences=2)) == (
+        "num_return_sequences=2")
+
+
+def test_relative_positions_tells_rotary_from_position_tables():
+    """Rotary embeddings (Qwen3, Llama): a shift of a row's positions cancels; a learned table (GPT-2, OPT) or a RoPE
+    whose frequencies depend on the largest position ("dynamic") does not."""
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig, Qwen3Config
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    models = {
+        "qwen3": Qwen3Config(**small),
+        "llama": LlamaConfig(**small),
+        "llama-dynamic": LlamaConfig(**small, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                              "rope_theta": 10000.0}),
+        "gpt2": GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2),
+        "opt": OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
+                         word_embed_proj_dim=16),
+    }
+    got = {name: generation.relative_positions(AutoModelForCausalLM.from_config(c)) for name, c in models.items()}
+    assert got == {"qwen3": True, "llama": True, "llama-dynamic": False, "gpt2": False, "opt": False}
+
+
 def test_rows_are_cut_to_the_completion_lengths():
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
     assert generation.rows_to_lists(logps, [[7, 8], [9, 9, 9]]) == [[-1.0, -2.0], [-4.0, -5.0, -6.0]]
@@ -128,10 +194,15 @@ SETTINGS = {
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_generate_logps_equal_the_training_forward(setting, toy_model_dir, toy_dataset, tmp_path):
-    """fp32 on CPU (`bf16=False`: TRL's default bf16 autocast would run the training forward in bf16 while
-    `generate` runs in fp32, 1e-2 apart): the recorded log-probs equal `_get_per_token_logps_and_entropies` on the
-    full sequences to 1e-5, with ragged prompts (left padding), EOS mid-batch, and logits processors / warpers that
-    must not leak into them (the forward has none; recording the processed scores instead fails this test)."""
+    """fp32 on CPU: the recorded log-probs equal `_get_per_token_logps_and_entropies` on the full sequences to 1e-5,
+    with ragged prompts (left padding), EOS mid-batch, and logits processors / warpers that must not leak into them
+    (the forward has none; recording the processed scores instead fails this test). bf16 autocast, PEFT and the
+    other configurations run through `train()` in the matrix below. There, under bf16 autocast, a prepared plain
+    model's forward is wrapped in accelerate's autocast, so its `generate` already ran under it (exactly equal on
+    unpadded rows; padded rows differed by bf16 rounding of the shifted RoPE positions until the recording
+    `generate` took TRL's positions), while PEFT's `generate` runs the base model's forward outside it (fp32
+    decoding: a KL in the reward of 8e-4 at step 0 with policy == reference) unless the trainer runs the recording
+    `generate` under that autocast, as it now does."""
     args = toy_args(RLOOConfig, tmp_path, beta=0.05, max_completion_length=8, per_device_train_batch_size=12,
                     bf16=False, **SETTINGS[setting])
     trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
@@ -341,6 +412,37 @@ def test_vllm_logprobs_are_used_from_the_output_dict(toy_model_dir, toy_dataset,
     assert calls == [1, 1]
 
 
+def test_one_process_that_cannot_use_its_recording_sends_every_process_to_the_forward(
+        toy_model_dir, toy_dataset, tmp_path, monkeypatch):
+    """The decision is gathered: a process whose own recorded log-probs are usable still takes the forward pass (a
+    collective under ZeRO-3 / FSDP) when another process cannot use its own (stand-in: the gathered flags of a
+    2-process run, the other one False), and logs the fallback; with every flag True it uses the recording."""
+    args = toy_args(RLOOConfig, tmp_path, beta=0.05)
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    trainer.model.train()
+    calls = _spy_policy_forwards(trainer, monkeypatch)
+    output = {
+        "prompt_ids": torch.tensor([[5, 6], [5, 6]]), "prompt_mask": torch.ones(2, 2, dtype=torch.long),
+        "completion_ids": torch.tensor([[7, 8], [7, 9]]), "completion_mask": torch.ones(2, 2, dtype=torch.long),
+        "sampling_per_token_logps": torch.tensor([[-0.5, -1.0], [-0.25, -2.0]]),
+    }
+    assert trainer.unusable_sampling_logps(output) is None
+    for other, forwards, logged in ((True, [], 0.0), (False, [1], 1.0)):
+        monkeypatch.setattr(trainer.accelerator, "gather", lambda flags, other=other: torch.cat(
+            [flags, torch.tensor([other], device=flags.device)]))
+        used = trainer.sampling_logps(output)
+        assert calls == forwards and trainer._metrics["train"][FALLBACK][-1] == logged
+    assert not torch.equal(used, output["sampling_per_token_logps"])  # the forward's numbers
+
+
+def test_several_sequences_per_prompt_are_refused(tmp_path):
+    """`num_return_sequences > 1` gives `generate` more rows than prompts: TRL's own GRPOTrainer then fails on a
+    tensor size mismatch after generating; refused at construction, naming the field."""
+    with pytest.raises(ValueError, match=r"^generation_kwargs: expected no num_return_sequences above 1"):
+        toy_args(RLOOConfig, tmp_path, generation_kwargs={"num_return_sequences": 2})
+    toy_args(RLOOConfig, tmp_path, generation_kwargs={"num_return_sequences": 1, "num_beams": 2})
+
+
 def test_sampling_logps_source_is_checked(tmp_path):
     from trl_ppo_variants.trainers.base import VariantConfig
 
@@ -368,9 +470,6 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
 # Every configuration a user can reach with HF `generate`: the recorded log-probs are the training forward's (1e-5;
 # exact under bf16 autocast on CPU) and the KL in the reward is 0 at step 0 with policy == reference, or the trainer
 # takes the forward pass (logged), and trains. Each row is one optimizer step of a fresh trainer.
-FALLBACK = "sampling_logps/forward_fallback"
-
-
 @pytest.fixture(scope="module")
 def gpt2_model_dir(tmp_path_factory):
     """A tiny GPT-2 (learned absolute position embeddings) on the toy tokenizer, random, no dropout (TRL's policy

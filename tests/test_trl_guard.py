@@ -2,6 +2,7 @@
 minor series we test against. Each failure message says what changed and where we depend on it."""
 
 import inspect
+import re
 
 import pytest
 import trl
@@ -100,6 +101,13 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
     assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source, (
         "GRPOTrainer._generate_and_score_completions no longer stores `sampling_per_token_logps`: "
         "VariantTrainer.sampling_logps (trainers/base.py) reads the generation's log-probs from there"
+    )
+    # the recording `generate` copies what TRL's training forward does: accelerate's autocast, no position_ids
+    source = inspect.getsource(GRPOTrainer._get_per_token_logps_and_entropies)
+    text_positions = re.search(r"(?<!image_)position_ids", source)  # image_position_ids are a VLM's, not ours
+    assert "with self.accelerator.autocast():" in source and text_positions is None, (
+        "GRPOTrainer._get_per_token_logps_and_entropies changed its autocast or now passes position_ids: the "
+        "recording `generate` of trainers/base.py (`_generate_single_turn`) must be re-checked"
     )
     source = inspect.getsource(GRPOTrainer._compute_loss)
     for needle in ('inputs["advantages"]', "self.beta * per_token_kl", "self._get_per_token_logps_and_entropies(",

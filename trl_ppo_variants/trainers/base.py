@@ -124,17 +124,18 @@ class VariantConfig(GRPOConfig):
             `generate` (the raw logits / `temperature`, before any logits processor or top-k/top-p warping), or
             vLLM's own log-probs; no extra forward pass. `"forward"`: one more no-grad forward pass of the policy
             over the batch, as TRL computes them. With HF `generate`, sampling or greedy decoding, both agree to
-            1e-5 in fp32 and to float rounding under bf16 autocast on CPU (with or without PEFT, KV cache, gradient
-            checkpointing); on a GPU `generate`'s KV-cached kernels round slightly differently from the training
-            forward in bf16 (the training/inference mismatch TRL accepts for vLLM's log-probs). The recording
-            `generate` runs under the training forward's autocast (mixed precision), which PEFT's `generate`
-            otherwise skips. Where the recorded numbers cannot be the training forward's, the KL takes the forward
-            pass automatically, on every process at once, logged as `sampling_logps/forward_fallback` (1.0 for such
-            a batch): beam search, assisted / prompt-lookup decoding, `cast_lm_head_to_fp32` under mixed precision,
-            and left-padded batches of a model without rotary positions (GPT-2, OPT, ...: `generate` numbers
-            positions from the first real token, TRL's forwards from the first column, so the two differ on padded
-            rows; the reference's log-probs come from the forward). vLLM's are its processed log-probs, renormalised
-            after top-k/top-p when those are set. Without a KL in the reward it changes nothing.
+            1e-5 in fp32 and exactly under bf16 autocast on CPU (with or without PEFT, left padding of rotary
+            models, KV cache, gradient checkpointing): the recording `generate` runs under the training forward's
+            autocast (which PEFT's `generate` otherwise skips) and, for rotary models, with the forward's positions
+            (counted from the first column; the same distribution). On a GPU `generate`'s KV-cached kernels round
+            slightly differently from the training forward in bf16 (the training/inference mismatch TRL accepts for
+            vLLM's log-probs). Where the numbers cannot be the training forward's, the KL takes the forward pass
+            automatically, on every process at once, logged as `sampling_logps/forward_fallback` (1.0 for such a
+            batch): beam search, assisted / prompt-lookup decoding, `cast_lm_head_to_fp32` under mixed precision,
+            and left-padded batches of a model without rotary positions (GPT-2, OPT, ...: `generate` numbers a
+            padded row's positions from its first token, TRL's forwards, the reference's included, from the first
+            column; sampling with the latter would change the distribution). vLLM's are its processed log-probs,
+            renormalised after top-k/top-p when those are set. Without a KL in the reward it changes nothing.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -397,11 +398,13 @@ class VariantTrainer(GRPOTrainer):
                                                  has_tool_images)
         target = self.accelerator.unwrap_model(self.model_wrapped)
         temperature = self.temperature if record else None
-        # A recording `generate` runs under the training forward's autocast, so that the recorded numbers are that
-        # forward's. A prepared plain model's forward is wrapped in it already (a no-op then); PEFT's `generate` runs
-        # the base model's forward outside it (fp32 decoding under bf16 mixed precision). Only when recording: the
-        # tokens are then sampled with the numerics the loss and the KL see; without a recording the sampling stays
-        # exactly TRL's (`sampling_logps_source="forward"` keeps it so with a KL too).
+        # A recording `generate` computes what the training forward computes, so that the recorded numbers are that
+        # forward's: under its autocast (a prepared plain model's forward is wrapped in it already, a no-op then;
+        # PEFT's `generate` runs the base model's forward outside it: fp32 decoding under bf16 mixed precision) and,
+        # for rotary models, with its positions (counted from the first column: the same distribution, the
+        # forward's rounding). Only when recording: the tokens are then sampled with the numerics the loss and the
+        # KL see; without a recording the sampling stays exactly TRL's (`sampling_logps_source="forward"` keeps it
+        # so with a KL too), which is why PEFT users who do not record keep TRL's fp32 decoding.
         autocast = self.accelerator.autocast() if record else contextlib.nullcontext()
         column_positions = record and self.relative_positions
         with autocast, generation.patched_generate(target, processors, temperature, column_positions) as calls:
