@@ -455,7 +455,8 @@ def test_sampling_logps_source_is_checked(tmp_path):
 @pytest.mark.timeout(600)
 def test_two_processes_split_groups(toy_model_dir, tmp_path):
     """Per-device batch 6, G = 4 (a group spans the two processes): on each process the recorded log-probs equal the
-    forward's, and the global advantages with them equal those of the forward fallback (RLOO, REINFORCE++)."""
+    forward's, and the global advantages with them equal those of the forward fallback (RLOO, REINFORCE++). Then a
+    GPT-2 whose rows are left-padded on process 0 only: both processes take the forward pass (one decision)."""
     accelerate = Path(sys.executable).with_name("accelerate")
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--main_process_port", "29651",
@@ -472,24 +473,10 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
 # takes the forward pass (logged), and trains. Each row is one optimizer step of a fresh trainer.
 @pytest.fixture(scope="module")
 def gpt2_model_dir(tmp_path_factory):
-    """A tiny GPT-2 (learned absolute position embeddings) on the toy tokenizer, random, no dropout (TRL's policy
-    forward runs in train mode), LM head untied (so that `cast_lm_head_to_fp32` applies)."""
-    from transformers import AutoModelForCausalLM, GPT2Config
+    """A tiny GPT-2 (learned absolute position embeddings), random, no dropout, LM head untied."""
+    from trl_ppo_variants.toy import make_learned_position_checkpoint
 
-    from trl_ppo_variants.toy import build_tokenizer
-
-    path = str(tmp_path_factory.mktemp("gpt2"))
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = AutoModelForCausalLM.from_config(config)
-    model.generation_config.pad_token_id = tok.pad_token_id
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return make_learned_position_checkpoint(str(tmp_path_factory.mktemp("gpt2")))
 
 
 def _prompts(padded: bool, n: int = 64):

@@ -217,6 +217,27 @@ def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int 
     return path
 
 
+def make_learned_position_checkpoint(path: str | None = None, seed: int = 0) -> str:
+    """A random tiny GPT-2 (learned absolute position embeddings, unlike the rotary toy model) on the toy tokenizer,
+    saved to `path` (a temp dir when None); return the path. No dropout (TRL's policy forward runs in train mode, so
+    the policy would not equal the reference), LM head untied (so that `cast_lm_head_to_fp32` applies)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    path = path or tempfile.mkdtemp(prefix="toy_gpt2_")
+    tok = build_tokenizer()
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 # --------------------------------------------------------------------------------------------- the digits task
 #: the step separator of the digits task (the toy tokenizer has no newline token, so not a blank line)
 DIGITS_SEPARATOR = ", "

@@ -9,6 +9,9 @@ the two processes. fp32 (`bf16=False`), repetition penalty 1.3, temperature 0.8,
 `"forward"`, from the same seed. Checks: on each process the recorded log-probs equal a forward pass's to 1e-5 on
 every loss token; no policy forward ran for the KL with "generate"; both processes computed the same global
 advantages; the first step's completions are the same with both sources and its global advantages equal to 1e-5.
+Then RLOO on a tiny GPT-2 (learned positions) with the prompts in order (`shuffle_dataset=False`) and the first
+prompt of each step lengthened: only process 0's rows are left-padded, so only process 0 cannot use its recording;
+both processes must take the forward pass at both steps, log `sampling_logps/forward_fallback` 1.0, and finish.
 Prints "SAMPLING-LOGPS-2PROC-OK" on the main process when every check passed.
 """
 
@@ -26,7 +29,7 @@ from accelerate.utils import gather_object  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from trl_ppo_variants import selection  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
+from trl_ppo_variants.toy import addition_dataset, addition_reward, make_learned_position_checkpoint  # noqa: E402
 from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer  # noqa: E402
 from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer  # noqa: E402
 
@@ -47,6 +50,11 @@ def probing(trainer_cls):
             self.completions.append(output["completion_ids"].clone())
             return super()._replace_advantages(output, inputs)
 
+        def unusable_sampling_logps(self, output):
+            reason = super().unusable_sampling_logps(output)
+            self.unusable.append(reason)
+            return reason
+
         def compute_advantages(self, rewards, batch, group_size):
             advantages = super().compute_advantages(rewards, batch, group_size)
             self.records.append({"rewards": rewards.clone(), "advantages": advantages.clone(),
@@ -56,15 +64,16 @@ def probing(trainer_cls):
     return Probe
 
 
-def run(name, trainer_cls, config_cls, model_dir, out_dir, source, **overrides):
+def run(name, trainer_cls, config_cls, model_dir, out_dir, source, dataset=None, **overrides):
     args = config_cls(
         output_dir=os.path.join(out_dir, f"{name}_{source}"), per_device_train_batch_size=6, num_generations=4,
         max_completion_length=8, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
         save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False, repetition_penalty=1.3, temperature=0.8,
         sampling_logps_source=source, **overrides,
     )
-    trainer = probing(trainer_cls)(model_dir, addition_reward, args=args, train_dataset=addition_dataset(256))
-    trainer.records, trainer.logp_gaps, trainer.completions = [], [], []
+    trainer = probing(trainer_cls)(model_dir, addition_reward, args=args,
+                                   train_dataset=dataset if dataset is not None else addition_dataset(256))
+    trainer.records, trainer.logp_gaps, trainer.completions, trainer.unusable = [], [], [], []
     trainer.policy_forwards = trainer.forwards_before = 0
     original = GRPOTrainer._get_per_token_logps_and_entropies
 
@@ -107,12 +116,43 @@ def main():
         elif not torch.allclose(a["advantages"], b["advantages"], rtol=0, atol=1e-5):
             gap = (a["advantages"] - b["advantages"]).abs().max().item()
             problems.append(f"{name}: step 1 advantages differ by {gap} between generate and forward")
+    problems += learned_positions_on_one_rank(out_dir)
     merged = [p for per_rank in gather_object([problems]) for p in per_rank]
     if merged:
         print("\n".join(merged), flush=True)
         sys.exit(1)
     if int(os.environ.get("RANK", "0")) == 0:
         print("SAMPLING-LOGPS-2PROC-OK", flush=True)
+
+
+def learned_positions_on_one_rank(out_dir):
+    """GPT-2, left padding on process 0 only: one decision (the forward) on both processes."""
+    from accelerate import PartialState
+
+    state, model_dir = PartialState(), os.path.join(out_dir, "gpt2")
+    rank = state.process_index
+    with state.main_process_first():  # written once (transformers saves on the main process only)
+        if state.is_main_process:
+            make_learned_position_checkpoint(model_dir, seed=0)
+    rows = [dict(row) for row in addition_dataset(256)]
+    for i in (0, 3):  # 3 prompts x 4 rows a step, 6 rows a process: prompt 0 and 3 are process 0's alone
+        rows[i]["prompt"] = "a a " + rows[i]["prompt"]
+    from datasets import Dataset
+
+    trainer = run("gpt2", RLOOTrainer, RLOOConfig, model_dir, out_dir, "generate", dataset=Dataset.from_list(rows),
+                  beta=0.05, shuffle_dataset=False)
+    problems = []
+    padded = [reason is not None and "left-padded" in reason for reason in trainer.unusable]
+    if padded != [rank == 0] * 2:
+        problems.append(f"gpt2 rank {rank}: own recording unusable for padding at steps {padded}, expected "
+                        f"{[rank == 0] * 2}")
+    if [r["kl_forwards"] for r in trainer.records] != [1, 1]:
+        problems.append(f"gpt2 rank {rank}: KL forwards {[r['kl_forwards'] for r in trainer.records]}, expected [1, 1]")
+    logged = [h["sampling_logps/forward_fallback"] for h in trainer.state.log_history
+              if "sampling_logps/forward_fallback" in h]
+    if logged != [1.0, 1.0] or trainer.state.global_step != 2:
+        problems.append(f"gpt2 rank {rank}: fallback logged {logged}, {trainer.state.global_step} steps")
+    return problems
 
 
 if __name__ == "__main__":
