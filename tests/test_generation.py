@@ -97,7 +97,10 @@ def test_recorder_gives_up_on_a_row_count_change():
     assert rec(torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5)) is not None and rec.broken  # no raise
 
 
-@pytest.mark.parametrize("kwargs", [{"num_beams": 2}, {"num_beams": 2, "do_sample": False}, {"num_return_sequences": 2}])
+OTHER_ROWS = [{"num_beams": 2}, {"num_beams": 2, "do_sample": False}, {"num_return_sequences": 2}]
+
+
+@pytest.mark.parametrize("kwargs", OTHER_ROWS)
 def test_generate_with_other_rows_records_nothing(kwargs, toy_model_dir):
     """A real `generate` through the wrapper, with beams or several sequences per prompt: no crash, nothing recorded
     (the trainer then takes the forward pass); plain sampling on the same prompts records."""
@@ -119,7 +122,8 @@ def test_unrecordable_decoding_modes():
     assert generation.unrecordable_reason(None) is None
     assert generation.unrecordable_reason(GenerationConfig(do_sample=True, top_k=5)) is None
     assert generation.unrecordable_reason(GenerationConfig(do_sample=False)) is None  # greedy
-    assert generation.unrecordable_reason(GenerationConfig(do_sample=True, num_beams=2)) == "decoding mode 'beam_sample'"
+    beams = GenerationConfig(do_sample=True, num_beams=2)
+    assert generation.unrecordable_reason(beams) == "decoding mode 'beam_sample'"
     assert generation.unrecordable_reason(GenerationConfig(num_beams=2)) == "decoding mode 'beam_search'"
     lookup = GenerationConfig(do_sample=True, prompt_lookup_num_tokens=3)
     assert generation.unrecordable_reason(lookup) == "decoding mode 'assisted_generation'"

@@ -620,7 +620,8 @@ class VariantTrainer(GRPOTrainer):
             return self.unrecordable_reason() or "the generation returned no log-probs"
         mask = selection.loss_mask(output).bool()
         if sampled.shape != mask.shape or torch.isnan(sampled[mask]).any():
-            return "the recording during `generate` failed its self-check (rows or tokens changed)"
+            return ("not every loss token has a generation log-prob (a recording that failed its self-check, a token "
+                    "vLLM could not score)")
         if not (output["prompt_mask"] != 0).all() and not self.relative_positions:
             return ("left-padded prompts with a model whose logits depend on absolute positions (`generate` and "
                     "TRL's forward number a padded row's positions differently)")
