@@ -92,7 +92,7 @@ def test_a_labelled_reward_is_refused_unless_allowed(tmp_path, toy_model_dir, to
                 TTRLTrainer(toy_model_dir, reward_funcs=[func], args=toy_args(TTRLConfig, tmp_path),
                             train_dataset=toy_dataset)
             message = str(err.value)
-            assert message.startswith("reward_funcs: TTRL is label-free") and "\n" not in message
+            assert message.startswith("reward_funcs: expected label-free rewards for TTRL") and "\n" not in message
             assert f"'{func.__name__}' (reads {column})" in message and "allow_labelled_rewards=True" in message
     with pytest.warns(UserWarning, match=r"'math_accuracy' \(reads answer\).*not label-free"):
         trainer = TTRLTrainer(toy_model_dir, reward_funcs=["math_accuracy"],

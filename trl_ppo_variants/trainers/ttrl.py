@@ -209,9 +209,9 @@ class TTRLTrainer(VariantTrainer):
             return
         described = ", ".join(f"'{name}' (reads {', '.join(cols)})" for name, cols in labelled.items())
         if not args.allow_labelled_rewards:
-            raise ValueError(f"reward_funcs: TTRL is label-free, but {described} read dataset columns and would be "
-                             "added to the majority-vote reward; remove them, or set allow_labelled_rewards=True to "
-                             "train on the sum (then no longer label-free)")
+            raise ValueError(f"reward_funcs: expected label-free rewards for TTRL (its reward is the majority vote), "
+                             f"got {described}, added to the vote's reward; remove them, or set "
+                             "allow_labelled_rewards=True to train on the sum (then no longer label-free)")
         warnings.warn(f"TTRL: the rewards {described} read dataset columns (ground truth) and are added to the "
                       "majority-vote reward (allow_labelled_rewards=True): this run is not label-free", stacklevel=3)
 
