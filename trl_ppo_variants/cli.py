@@ -20,7 +20,6 @@ import argparse
 import difflib
 import importlib
 import importlib.util
-import inspect
 import os
 import re
 import sys
