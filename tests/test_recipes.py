@@ -88,10 +88,18 @@ def test_an_installed_wheel_finds_its_recipes_by_name(tmp_path):
     """Built and installed like `pip install` does (a wheel, into a folder of its own): from a folder that is not a
     clone, `--config dapo` and the README's `--config recipes/dapo.yaml` read the shipped recipe, and `recipes`
     lists it."""
+    import shutil
+
+    source = tmp_path / "source"  # a copy: setuptools writes build/ and *.egg-info/ next to the sources
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("trl_ppo_variants", "recipes"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(tmp_path / "wheel"), str(ROOT)], capture_output=True, text=True, timeout=500, env=env,
-                           cwd=tmp_path)
+                            str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=500,
+                           env=env, cwd=tmp_path)
     assert build.returncode == 0, build.stderr[-2000:]
     wheel = next((tmp_path / "wheel").glob("*.whl"))
     target = tmp_path / "site"
