@@ -36,7 +36,8 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m trl_ppo_variants.demo $(if $(ALGO),--algo $(ALGO),)
 
-# The quick path: the tiny offline model on the toy task, every algorithm (about a minute).
+# The quick path: the tiny offline model on the toy task, every algorithm (about a minute); ALGO=name (or a,b,c)
+# trains those.
 demo-toy: $(STAMP)
 	$(PY) -m trl_ppo_variants.toy_demo $(if $(ALGO),--algo $(ALGO),)
 

@@ -18,8 +18,9 @@ from trl_ppo_variants.toy import addition_reward
 BAD_VALUES = [None, float("nan"), float("inf"), float("-inf")]
 # one configuration per trainer ("vapo_pretrain" differs from "vapo" only for the resume test)
 NAMES = [n for n in available_specs() if n != "vapo_pretrain"]
-# VAPO: one value pre-training step, so that the policy is trained at step 2
-OVERRIDES = {"vapo": {"value_pretrain_steps": 1}}
+# VAPO: one value pre-training step, so that the policy is trained at step 2; TTRL: the test rewards read the
+# `answer` column, which TTRL refuses unless told (it is label-free)
+OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "ttrl": {"allow_labelled_rewards": True}}
 # one reward call per step of 8 completions (ReMax scores its greedy rows in a second call, DAPO refills, TTRL
 # votes): the logged count is exactly 4; for the others it is a mean over calls, and positive
 ONE_CALL = {"rloo", "rloo_kl", "reinforce_pp", "reinforce_pp_baseline", "ppo", "vapo", "process_grpo"}
@@ -110,3 +111,76 @@ def test_non_numbers_are_refused_in_one_line(toy_model_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^reward function 'text_reward' returned a non-number '1.0'") as err:
         trainer.train()
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ nothing scorable
+def _nothing(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def _nan_then_good(completions, answer, trainer_state=None, **kwargs):
+    """NaN for every completion of steps 0-2, then addition_reward."""
+    if trainer_state.global_step < 3:
+        return [float("nan")] * len(completions)
+    return addition_reward(completions, answer)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", NAMES)
+def test_consecutive_unscorable_batches_stop_training(name, toy_model_dir, tmp_path):
+    """A run whose rewards are all None ended "successfully" with loss 0 at every step. After
+    `max_unscorable_batches` consecutive batches without one scorable completion, every trainer stops with one line
+    (TTRL's vote and process GRPO's step rewards always score: they never stop; DAPO's overlong shaping does not
+    count as a score)."""
+    trainer = make_trainer(name, toy_model_dir, tmp_path, "out", reward=[_nothing], max_steps=6,
+                           max_unscorable_batches=2, **OVERRIDES.get(name, {}))
+    if name in ("ttrl", "process_grpo"):
+        trainer.train()
+        assert trainer.state.global_step == 6
+        return
+    with pytest.raises(RuntimeError) as err:
+        trainer.train()
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("no completion got a finite reward in 2 consecutive generation batches"), message
+    assert "'_nothing'" in message and "max_unscorable_batches=2" in message
+    assert trainer.state.global_step <= 2  # DAPO's refill rounds are batches too: it stops within its first step
+
+
+@pytest.mark.timeout(300)
+def test_unscorable_batches_are_counted_and_partial_nan_trains(toy_model_dir, tmp_path):
+    """Three unscorable batches, then good ones: the count resets, training goes on (the limit is 4); the tally says
+    what happened. A run that never scored one completion fails at its end even below the limit; None disables."""
+    trainer = make_trainer("rloo", toy_model_dir, tmp_path, "out", reward=[_nan_then_good], max_steps=5,
+                           max_unscorable_batches=4)
+    trainer.train()
+    assert trainer.scoring_tally == {"batches": 5, "unscorable_batches": 3, "consecutive": 0, "completions": 40,
+                                     "unscorable_completions": 24}
+    short = make_trainer("rloo", toy_model_dir, tmp_path, "short", reward=[_nothing], max_steps=2)  # limit 5
+    with pytest.raises(RuntimeError, match=r"^no completion got a finite reward in any of the run's 2 generation "
+                                           r"batches \(up to global step 2\)"):
+        short.train()
+    off = make_trainer("rloo", toy_model_dir, tmp_path, "off", reward=[_nothing], max_steps=3,
+                       max_unscorable_batches=None)
+    off.train()
+    assert off.state.global_step == 3 and off.scoring_tally["unscorable_batches"] == 3
+
+
+def test_a_failed_function_does_not_print_trl_none_warning(toy_model_dir, tmp_path, caplog):
+    """TRL warns "All reward functions returned None ... ensure that at least one reward function returns a valid
+    reward" for a row no function scored. When a function raised, that row holds our placeholders: the warning is
+    untrue and came before our one-line error. A real all-None row still warns."""
+    import logging
+
+    def raises(completions, **kwargs):
+        raise ValueError("boom")
+
+    trainer = make_trainer("rloo", toy_model_dir, tmp_path, "out", reward=[raises], max_steps=1)
+    with caplog.at_level(logging.WARNING, logger="trl.trainer.grpo_trainer"), pytest.raises(RuntimeError):
+        trainer.train()
+    assert not [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+    trainer = make_trainer("rloo", toy_model_dir, tmp_path, "none", reward=[_nothing], max_steps=1,
+                           max_unscorable_batches=None)
+    with caplog.at_level(logging.WARNING, logger="trl.trainer.grpo_trainer"):
+        trainer.train()
+    assert [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]

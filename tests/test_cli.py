@@ -74,6 +74,27 @@ def test_no_arguments_prints_help_and_fails(capsys):
     assert "algorithms:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("algorithm", [*cli.ALGORITHMS, *cli.BASELINES])
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_every_algorithm_help_runs(algorithm, flag, capsys):
+    """Every error message points to `<algorithm> --help`: it must run for every algorithm (a bare `%` in any field's
+    help text went through argparse's %-formatting and crashed DAPO's)."""
+    if not cli.algorithm_available(algorithm):
+        pytest.skip(f"{algorithm} is not installed")
+    assert cli.main([algorithm, flag]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"usage: trl-ppo-variants {algorithm}" in out and "--reward_funcs" in out and "--config" in out
+    assert "%%" not in out
+
+
+def test_dapo_help_in_a_fresh_process():
+    """The exact command DAPO's errors tell the user to run."""
+    proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants", "dapo", "--help"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--overlong_cache_length" in proc.stdout and "20%" in proc.stdout and "%%" not in proc.stdout
+
+
 def test_algorithm_help_lists_its_fields(capsys):
     assert cli.main(["rloo", "--help"]) == 0
     out = capsys.readouterr().out
@@ -290,7 +311,7 @@ def test_process_grpo_trains_from_step_rewards_alone(tmp_path, toy_model_dir, to
                      "--step_separator", "1", "--logging_steps", "1"])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-3000:]
-    assert "trained process_grpo for 1 steps" in captured.out
+    assert "trained process_grpo for 1 step on 1 process on cpu;" in captured.out
     card = (tmp_path / "out" / "README.md").read_text()
     assert "trained with **GRPO with process supervision**" in card and "arXiv:2402.03300" in card
     assert "`rewards/digit_step_rewards/mean`" in card
@@ -305,8 +326,253 @@ def test_cli_trains_saves_and_writes_the_card(tmp_path, toy_model_dir, toy_jsonl
     proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants", "rloo", *args, "--logging_steps", "1"],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "trained rloo for 2 steps on 1 process(es)" in proc.stdout
+    assert "trained rloo for 2 steps on 1 process on cpu;" in proc.stdout
     out = tmp_path / "out"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     card = (out / "README.md").read_text()
     assert "trained with **RLOO**" in card and "| `global_step` | 2 |" in card
+
+
+# ------------------------------------------------------------------------------------------------ a new user's hour
+def _fresh_cli(args, cwd, extra_env=None, timeout=300):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "trl_ppo_variants", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=timeout)
+
+
+def test_one_line_errors_come_without_transformers_deprecation_warnings(tmp_path, toy_model_dir):
+    """transformers' two-line `gradient_checkpointing is deprecated` FutureWarning (TRL's configs still use the old
+    name, and TrainingArguments warns while the config is built) preceded every error found after parsing."""
+    proc = _fresh_cli(["rloo", "--use_cpu", "true", "--bf16", "false", "--model_name_or_path", toy_model_dir,
+                       "--reward_funcs", "math_acuracy"], tmp_path)
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if "real_accelerator.py" not in line]  # DeepSpeed's CPU note
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("trl-ppo-variants: error: reward_funcs: unknown reward function 'math_acuracy'")
+
+
+def test_no_model_at_all_is_named_first(capsys, no_model_load):
+    """Without any argument, the first thing to fix is the model (on a machine without a GPU transformers would
+    refuse TRL's default bf16 first)."""
+    _one_line_error(capsys, cli.main(["rloo"]), "model_name_or_path: expected a Hub model id or a local model")
+
+
+def test_bf16_refusal_on_a_machine_without_gpu_names_the_fields(toy_model_dir, capsys, no_model_load):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: bf16 is accepted")
+    _one_line_error(capsys, cli.main(["rloo", "--model_name_or_path", toy_model_dir]),
+                    "bf16: expected false on this machine", "use_cpu: true")
+
+
+def test_unknown_command_line_field_comes_before_config_checks(capsys, no_model_load):
+    """A typo is the error the user sees, not a config check that ran on the defaults (here: bf16 on a CPU)."""
+    _one_line_error(capsys, cli.main(["rloo", "--learnig_rate", "1e-6"]), "unknown field '--learnig_rate'",
+                    "did you mean '--learning_rate'")
+
+
+def test_errors_that_came_after_the_model_loaded(tmp_path, toy_model_dir, toy_jsonl, capsys, no_model_load):
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    args[args.index("--output_dir") + 1] = str(a_file)
+    _one_line_error(capsys, cli.main(["rloo", *args]), "output_dir:", "is a file")
+    args[args.index(str(a_file))] = str(a_file / "sub")
+    _one_line_error(capsys, cli.main(["rloo", *args]), "output_dir: cannot create", "is a file")
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    args[args.index("--report_to") + 1] = "wandbb"
+    _one_line_error(capsys, cli.main(["rloo", *args]), "report_to: unknown tracker 'wandbb'", "did you mean 'wandb'")
+    from transformers.integrations import get_available_reporting_integrations
+
+    for tracker in ("wandb", "trackio", "tensorboard"):
+        if tracker in get_available_reporting_integrations():
+            continue
+        args[args.index("--report_to") + 1] = tracker
+        _one_line_error(capsys, cli.main(["rloo", *args]), f"report_to: '{tracker}' needs the", "pip install")
+
+
+def test_resume_from_checkpoint_true_on_the_command_line(tmp_path, toy_model_dir, toy_jsonl, capsys):
+    """`--resume_from_checkpoint true` is the YAML `true` (the last complete checkpoint of output_dir), not a path
+    named 'true'; a missing checkpoint is one line before the model loads."""
+    args = _base(toy_model_dir, toy_jsonl, tmp_path) + ["--logging_steps", "1"]
+    _, train, _, _ = cli.parse_args("rloo", [*args, "--resume_from_checkpoint", "true"])
+    assert train.resume_from_checkpoint is True
+    _, train, _, _ = cli.parse_args("rloo", [*args, "--resume_from_checkpoint", "false"])
+    assert train.resume_from_checkpoint is None
+    built = []
+    original = cli.build_trainer
+    cli_build = lambda p: built.append(1) or original(p)  # noqa: E731
+    import unittest.mock as mock
+
+    with mock.patch.object(cli, "build_trainer", cli_build):
+        _one_line_error(capsys, cli.main(["rloo", *args, "--resume_from_checkpoint", "true"]),
+                        "resume_from_checkpoint: expected a complete checkpoint-N directory")
+        _one_line_error(capsys, cli.main(["rloo", *args, "--resume_from_checkpoint", str(tmp_path / "nope")]),
+                        "resume_from_checkpoint: no such checkpoint folder")
+        assert not built  # both before the model loaded
+        save = ["--save_strategy", "steps", "--save_steps", "1"]
+        assert cli.main(["rloo", *args, *save]) == 0, capsys.readouterr().err[-2000:]  # a checkpoint at step 1
+        capsys.readouterr()
+        args[args.index("--max_steps") + 1] = "2"
+        assert cli.main(["rloo", *args, *save, "--resume_from_checkpoint", "true"]) == 0, capsys.readouterr().err
+    assert "trained rloo for 2 steps" in capsys.readouterr().out
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [e["step"] for e in state["log_history"] if "loss" in e] == [1, 2]  # step 1 from the resumed checkpoint
+
+
+def test_reward_funcs_as_a_single_name_or_a_wrong_type(tmp_path, toy_model_dir, toy_jsonl, capsys, no_model_load):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"reward_funcs: {REWARD}\nstep_reward_funcs: 5\n")
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    del args[args.index("--reward_funcs") : args.index("--reward_funcs") + 2]
+    script, *_ = cli.parse_args("process_grpo", ["--config", str(recipe), *args])
+    assert cli.reward_names(script.reward_funcs, "reward_funcs") == [REWARD]  # one function, not its characters
+    _one_line_error(capsys, cli.main(["process_grpo", "--config", str(recipe), *args]),
+                    "step_reward_funcs: expected a reward function name or a list of names, got 5")
+    recipe.write_text("reward_funcs: 5\n")
+    _one_line_error(capsys, cli.main(["rloo", "--config", str(recipe), *args]),
+                    "reward_funcs: expected a reward function name or a list of names, got 5")
+    recipe.write_text("reward_funcs: math_accuracy\n")
+    prepared = cli.prepare("rloo", ["--config", str(recipe), *args])  # every check short of the model passes
+    assert [getattr(f, "__name__", None) for f in prepared["reward_funcs"]] == ["math_accuracy"]
+
+
+def test_trl_reward_functions_by_their_short_names(tmp_path):
+    """TRL's own rewards, by the names `trl grpo` accepts; the unknown-reward error lists them."""
+    from trl import rewards as trl_rewards
+
+    _, train, _, _ = cli.parse_args("dapo", ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false",
+                                             "--max_completion_length", "100", "--overlong_cache_length", "30"])
+    assert cli.resolve_reward("think_format_reward") is trl_rewards.think_format_reward
+    assert cli.resolve_reward("accuracy_reward") is trl_rewards.accuracy_reward
+    assert cli.resolve_reward("reasoning_accuracy_reward") is trl_rewards.reasoning_accuracy_reward
+    assert cli.required_columns(cli.resolve_reward("accuracy_reward")) == ["solution"]
+    overlong = cli.resolve_reward("get_soft_overlong_punishment", train)  # the run's lengths, not 1280 / 256
+    assert overlong(completion_ids=[[0] * 70, [0] * 85, [0] * 101]) == [0.0, -0.5, -1.0]
+    with pytest.raises(cli.CLIError) as err:
+        cli.resolve_reward("think_format_rewad")
+    message = str(err.value)
+    assert "did you mean 'think_format_reward'" in message
+    for name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment",
+                 "math_accuracy"):
+        assert name in message
+
+
+def test_grpo_runs_trl_grpo_trainer_from_the_same_command_line(tmp_path, toy_model_dir, toy_jsonl, capsys,
+                                                                monkeypatch):
+    import trl
+
+    built = []
+    original = cli.build_trainer
+    monkeypatch.setattr(cli, "build_trainer", lambda p: built.append(original(p)) or built[-1])
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    assert cli.main(["grpo", *args]) == 0, capsys.readouterr().err
+    import importlib
+
+    module = importlib.import_module(cli.GRPO_BASELINE.module_path)  # the one place naming what `grpo` runs
+    assert type(built[0]) is getattr(module, cli.GRPO_BASELINE.trainer)
+    assert type(built[0].args) is getattr(module, cli.GRPO_BASELINE.config)
+    assert isinstance(built[0], trl.GRPOTrainer) and isinstance(built[0].args, trl.GRPOConfig)
+    assert "trained grpo for 1 step on 1 process on cpu" in capsys.readouterr().out
+    assert (tmp_path / "out" / "README.md").exists() and (tmp_path / "out" / "model.safetensors").exists()
+    _one_line_error(capsys, cli.main(["grpo", "--config", "dapo"]), "unknown field 'dynamic_sampling' for grpo",
+                    "(a field of dapo)")
+    _one_line_error(capsys, cli.main(["grpo", *args, "--kl_in_reward_coef", "0.1"]),
+                    "unknown field '--kl_in_reward_coef' for grpo", "a field of remax, rloo")
+
+
+def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
+    """`--config dapo` (or `dapo.yaml`, or the README's `recipes/dapo.yaml` from a folder without it) is the recipe
+    shipped with the package; a file of that name in the working folder wins."""
+    monkeypatch.chdir(tmp_path)
+    assert "dapo" in cli.recipe_names() and "smollm2_offline" in cli.recipe_names()
+    common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    for name in ("dapo", "dapo.yaml", "recipes/dapo.yaml"):
+        _, train, model, _ = cli.parse_args("dapo", ["--config", name, *common])
+        assert train.dynamic_sampling and train.num_generations == 16 and model.model_name_or_path == "Qwen/Qwen3-0.6B"
+    (tmp_path / "dapo.yaml").write_text("num_generations: 8\nmax_completion_length: 10\n")
+    _, train, _, _ = cli.parse_args("dapo", ["--config", "dapo.yaml", *common])
+    assert train.num_generations == 8
+    with pytest.raises(cli.CLIError, match="no such recipe file 'dapoo'.*shipped recipe name.*dapo"):
+        cli.parse_args("dapo", ["--config", "dapoo", *common])
+    assert cli.main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert os.path.join(cli.recipes_dir(), "ttrl.yaml") in out
+    assert os.path.join(cli.recipes_dir(), "accelerate", "zero2.yaml") in out
+
+
+def test_run_summary_reads_as_words():
+    from types import SimpleNamespace
+
+    def trainer(n, kind, device="cpu", zero=None):
+        plugin = SimpleNamespace(zero_stage=zero) if zero else None
+        acc = SimpleNamespace(num_processes=n, distributed_type=SimpleNamespace(value=kind),
+                              device=SimpleNamespace(type=device), state=SimpleNamespace(deepspeed_plugin=plugin))
+        return SimpleNamespace(accelerator=acc, is_deepspeed_enabled=zero is not None)
+
+    assert cli._describe_distribution(trainer(1, "NO")) == "1 process on cpu"
+    assert cli._describe_distribution(trainer(2, "MULTI_CPU")) == "2 processes on cpu (DDP)"
+    assert cli._describe_distribution(trainer(8, "MULTI_GPU", "cuda")) == "8 processes on cuda (DDP)"
+    assert cli._describe_distribution(trainer(4, "DEEPSPEED", "cuda", 3)) == "4 processes on cuda (DeepSpeed ZeRO-3)"
+    assert cli._describe_distribution(trainer(2, "FSDP", "cuda")) == "2 processes on cuda (FSDP)"
+
+
+BROKEN_REWARDS = """
+def raises(completions, **kwargs):
+    raise ValueError("boom")
+
+
+def wrong_count(completions, **kwargs):
+    return [1.0]
+
+
+def strings(completions, **kwargs):
+    return ["a"] * len(completions)
+
+
+def nothing(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def half(completions, **kwargs):
+    return [None if i % 2 else 1.0 for i in range(len(completions))]
+"""
+
+
+@pytest.mark.parametrize("func,expected", [("raises", "reward function 'raises' raised ValueError: boom"),
+                                           ("wrong_count", "reward function 'wrong_count' returned 1 rewards for 8"),
+                                           ("strings", "reward function 'strings' returned a non-number 'a'")])
+def test_broken_reward_ends_with_our_error_as_the_last_line(tmp_path, toy_model_dir, toy_jsonl, func, expected):
+    """TRL's "All reward functions returned None ... ensure that at least one reward function returns a valid
+    reward" was printed before our error (untrue: the function failed), and a progress bar was the last line."""
+    (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    args[args.index(REWARD)] = f"broken:{func}"
+    i = args.index("--disable_tqdm")
+    del args[i : i + 2]  # the progress bar on screen, as a user has it
+    proc = _fresh_cli(["rloo", *args], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    screen = proc.stdout + proc.stderr
+    assert "All reward functions returned None" not in screen
+    last = proc.stderr.rstrip().splitlines()[-1].split("\r")[-1].strip()
+    assert last.startswith("trl-ppo-variants: error: training rloo failed:") and expected in last, proc.stderr[-1500:]
+
+
+def test_a_run_without_one_scorable_completion_fails(tmp_path, toy_model_dir, toy_jsonl):
+    """All None: exit 1 with one line (it ran 2 steps and learned nothing); partly None: exit 0 and a summary line."""
+    (tmp_path / "broken.py").write_text(BROKEN_REWARDS)
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    args[args.index("--max_steps") + 1] = "2"
+    args[args.index(REWARD)] = "broken:nothing"
+    proc = _fresh_cli(["rloo", *args], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.rstrip().splitlines()[-1]
+    assert last.startswith("trl-ppo-variants: error: training rloo failed: RuntimeError: no completion got a finite "
+                           "reward in any of the run's 2 generation batches"), last
+    assert "max_unscorable_batches" in last and "model and model card saved" not in proc.stdout
+    args[args.index("broken:nothing")] = "broken:half"
+    proc = _fresh_cli(["rloo", *args], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("trl-ppo-variants: warning: 8 of 16 generated completions got no finite reward (every reward function "
+            "returned None or NaN") in proc.stderr

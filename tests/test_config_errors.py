@@ -40,6 +40,7 @@ CASES = [
     ("rloo", {"learning_rate": -1e-3}, "learning_rate"),
     ("rloo", {"num_iterations": 0}, "num_iterations"),
     ("rloo", {"temperature": 0.0}, "temperature"),
+    ("rloo", {"max_unscorable_batches": 0}, "max_unscorable_batches"),
     ("ttrl", {"n_votes": 4, "n_train": 6}, "n_train"),
     ("dapo", {"max_generation_rounds": -1}, "max_generation_rounds"),
     ("dapo", {"keep_rate_init": 0.0}, "keep_rate_init"),

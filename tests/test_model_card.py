@@ -171,3 +171,82 @@ def test_ppo_push_uploads_the_policy_without_critic_keys_and_the_critic_beside_i
     keys, value_files = uploads[0]
     assert keys and not any(k.startswith("critic.") for k in keys)
     assert any(name.endswith(".safetensors") for name in value_files)
+
+
+# ------------------------------------------------------------------------------------------------ what TRL's cards carry
+def test_base_model_of_local_folders(tmp_path):
+    from trl_ppo_variants import smollm2
+
+    assert mc.base_model_of("Qwen/Qwen3-0.6B") == ("Qwen/Qwen3-0.6B", None)
+    plain = tmp_path / "my_model"
+    plain.mkdir()
+    assert mc.base_model_of(str(plain)) == (None, None)
+    built = tmp_path / "smollm2-135m-instruct-0123abcd"  # the built-in model's cache folder, with its marker
+    built.mkdir()
+    (built / smollm2.MARKER).write_text("{}")
+    base, note = mc.base_model_of(str(built))
+    assert base == "HuggingFaceTB/SmolLM2-135M-Instruct" and "dequantised" in note and "Q4_1" in note
+    snapshot = tmp_path / "hub" / "models--Qwen--Qwen3-0.6B" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    assert mc.base_model_of(str(snapshot)) == ("Qwen/Qwen3-0.6B", None)
+
+
+def test_hyperparameters_list_what_ends_the_run(tmp_path):
+    """`num_train_epochs 3` next to `max_steps 2` said the run had 3 epochs: only the one that ends the run shows."""
+    from trl_ppo_variants.trainers.rloo import RLOOConfig
+
+    by_steps = mc.run_hyperparameters(toy_args(RLOOConfig, tmp_path, max_steps=2))
+    assert by_steps["max_steps"] == 2 and "num_train_epochs" not in by_steps
+    by_epochs = mc.run_hyperparameters(toy_args(RLOOConfig, tmp_path, max_steps=-1, num_train_epochs=2))
+    assert by_epochs["num_train_epochs"] == 2 and "max_steps" not in by_epochs
+
+
+def test_card_has_base_model_tracker_links_and_trl_tags(tmp_path, toy_model_dir, toy_dataset, monkeypatch):
+    """The built-in model's card names HuggingFaceTB/SmolLM2-135M-Instruct; the tracker runs are linked and tagged as
+    in TRL's cards (`trackio:<url>`, `hf_jobs` in a Hugging Face Job); an explicit base model wins."""
+    import shutil
+
+    from trl_ppo_variants import smollm2
+    from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
+
+    model_dir = tmp_path / "smollm2-135m-instruct-0123abcd"  # the toy model standing in for the built-in one
+    shutil.copytree(toy_model_dir, model_dir)
+    (model_dir / smollm2.MARKER).write_text("{}")
+    urls = {"wandb": "https://wandb.ai/me/proj/runs/abc", "trackio": "https://me-trackio.hf.space?project=p&runs=r"}
+    monkeypatch.setattr(mc, "tracker_run_urls", lambda: dict(urls))
+    monkeypatch.setenv("JOB_ID", "42")
+    args = toy_args(RLOOConfig, tmp_path, max_steps=1)
+    trainer = RLOOTrainer(str(model_dir), addition_reward, args=args, train_dataset=toy_dataset)
+    trainer.train()
+    trainer.create_model_card(tags=["trackio:https://old"])
+    text = (tmp_path / "out" / "README.md").read_text()
+    front = text.split("---")[1]
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct" in front
+    assert f"- trackio:{urls['trackio']}" in front and "- hf_jobs" in front and "trackio:https://old" not in front
+    assert f"[Weights & Biases run]({urls['wandb']})" in text and f"[Trackio run]({urls['trackio']})" in text
+    assert "[HuggingFaceTB/SmolLM2-135M-Instruct](https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct)" in text
+    assert "num_train_epochs" not in _table(text, "Training hyperparameters")
+    trainer.model_card_base_model = "me/my-sft"  # the command line's --base_model
+    trainer.create_model_card()
+    assert "base_model: me/my-sft" in (tmp_path / "out" / "README.md").read_text().split("---")[1]
+
+
+def test_ppo_value_model_loads_on_its_own(tmp_path, toy_model_dir, toy_dataset):
+    """`output_dir/value_model/` holds the critic and the tokenizer: it loads, tokenizes and scores by itself."""
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from trl_ppo_variants.trainers.ppo import PPOConfig, PPOTrainer
+
+    args = toy_args(PPOConfig, tmp_path, max_steps=1, kl_in_reward_coef=0.0)
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    trainer.train()
+    trainer.save_model(args.output_dir)
+    folder = tmp_path / "out" / "value_model"
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    critic = AutoModelForTokenClassification.from_pretrained(folder)
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(toy_model_dir).get_vocab()
+    batch = tokenizer(["3+4=7"], return_tensors="pt")
+    with torch.no_grad():
+        values = critic(**batch).logits
+    assert values.shape == (1, batch["input_ids"].shape[1], 1) and torch.isfinite(values).all()

@@ -50,6 +50,78 @@ def test_recipe_states_command_hardware_and_lengths(algo):
     assert recipe.get("reward_funcs")
 
 
+def test_recipes_readme_table_matches_the_recipes():
+    """The README's samples per prompt and lengths are the recipes' own (remax.yaml and reinforce_pp.yaml moved to
+    the papers' one sample per prompt and the table still said 2 and 4)."""
+    rows = re.findall(r"^\| `(\w+)\.yaml` \|[^|]*\|[^|]*\| ([^|]+) \| (\d+) \|$", (RECIPES / "README.md").read_text(),
+                      flags=re.M)
+    assert sorted(name for name, _, _ in rows) == sorted(RECIPE_ALGOS)
+    for name, samples, length in rows:
+        recipe = _recipe(name)
+        generations = recipe.get("n_votes", recipe.get("num_generations"))
+        assert int(re.match(r"\d+", samples.strip()).group()) == generations, (name, samples, generations)
+        assert ("greedy" in samples) == (name == "remax"), (name, samples)
+        if "n_train" in recipe:
+            assert f"{recipe['n_train']} trained" in samples, (name, samples)
+        assert int(length) == recipe["max_completion_length"], (name, length)
+
+
+def test_pyproject_ships_every_package_and_the_recipes():
+    """The package list is explicit (the recipes are mapped from `recipes/` into `trl_ppo_variants.recipes`): every
+    package of the source tree must be in it, and every recipe and accelerate config matched by its package data."""
+    import fnmatch
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = set(setuptools["packages"])
+    source = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "trl_ppo_variants").rglob("__init__.py")}
+    assert source <= packages, sorted(source - packages)
+    dirs, data = setuptools["package-dir"], setuptools["package-data"]
+    for path in [*RECIPES.glob("*.yaml"), RECIPES / "README.md", *ACCELERATE.glob("*.yaml")]:
+        package = next(p for p, d in dirs.items() if (ROOT / d) == path.parent)
+        assert any(fnmatch.fnmatch(path.name, pattern) for pattern in data[package]), path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_installed_wheel_finds_its_recipes_by_name(tmp_path):
+    """Built and installed like `pip install` does (a wheel, into a folder of its own): from a folder that is not a
+    clone, `--config dapo` and the README's `--config recipes/dapo.yaml` read the shipped recipe, and `recipes`
+    lists it."""
+    import shutil
+
+    source = tmp_path / "source"  # a copy: setuptools writes build/ and *.egg-info/ next to the sources
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("trl_ppo_variants", "recipes"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "wheel"), str(source)], capture_output=True, text=True, timeout=500,
+                           env=env, cwd=tmp_path)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next((tmp_path / "wheel").glob("*.whl"))
+    target = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                              str(target), str(wheel)], capture_output=True, text=True, timeout=300, env=env)
+    assert install.returncode == 0, install.stderr[-2000:]
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env["PYTHONPATH"] = str(target)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "trl_ppo_variants", *args], capture_output=True, text=True,
+                              timeout=300, env=env, cwd=elsewhere)
+
+    listing = run("recipes")
+    assert listing.returncode == 0 and str(target / "trl_ppo_variants" / "recipes" / "dapo.yaml") in listing.stdout
+    assert str(target / "trl_ppo_variants" / "recipes" / "accelerate" / "zero3.yaml") in listing.stdout
+    for config in ("dapo", "recipes/dapo.yaml"):  # read and checked: TRL's GRPO has no dynamic_sampling
+        proc = run("grpo", "--config", config)
+        assert proc.returncode == 2 and "unknown field 'dynamic_sampling' for grpo" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("algo", RECIPE_ALGOS)
 def test_recipe_parses_into_the_algorithm_config(tmp_path, algo):
     _require(algo)
@@ -228,9 +300,9 @@ def _launch(config, port, algo, model_dir, data, out, extra=()):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config,port,algo,expect", [
-    ("multi_gpu", 29680, "rloo", "2 process(es), MULTI_CPU"),
-    ("zero2", 29681, "dapo", "2 process(es), DEEPSPEED ZeRO-2"),
-    ("zero3", 29682, "reinforce_pp", "2 process(es), DEEPSPEED ZeRO-3"),
+    ("multi_gpu", 29680, "rloo", "2 processes on cpu (DDP)"),
+    ("zero2", 29681, "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
+    ("zero3", 29682, "reinforce_pp", "2 processes on cpu (DeepSpeed ZeRO-3)"),
 ])
 def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, port, algo, expect):
     """The CLI runs unchanged under `accelerate launch` with the recipes' own accelerate configs (only the process
@@ -281,7 +353,7 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
     proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(os.cpu_count() or 1), cwd=ROOT,
                           capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    assert "trained rloo for 2 steps on 1 process(es)" in proc.stdout
+    assert "trained rloo for 2 steps on 1 process on cpu;" in proc.stdout
     out = tmp_path / "out"
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     card = (out / "README.md").read_text()
@@ -291,8 +363,8 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config,port,algo,expect", [
-    ("multi_gpu", 29683, "rloo", "2 process(es), MULTI_CPU"),
-    ("zero2", 29684, "dapo", "2 process(es), DEEPSPEED ZeRO-2"),
+    ("multi_gpu", 29683, "rloo", "2 processes on cpu (DDP)"),
+    ("zero2", 29684, "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
 ])
 def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, port, algo, expect):
     """The offline recipe on 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-2, with the recipes' accelerate configs

@@ -37,6 +37,19 @@ def test_demo_unknown_algorithm_is_one_line(capsys):
     assert demo.main(["--algo", "grpo"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown algorithm 'grpo'" in err[0]
+    assert demo.main(["--algo", "rloo,nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown algorithm 'nope'" in err[0]
+
+
+@pytest.mark.timeout(300)
+def test_demo_takes_a_list_of_algorithms_as_make_demo_does(tmp_path, capsys):
+    """`make demo-toy ALGO=rloo,dapo` was refused while `make demo ALGO=grpo,ppo` took a list."""
+    code = demo.main(["--algo", "rloo,reinforce_pp", "--steps", "2", "--output_dir", str(tmp_path / "demo")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    rows = re.findall(r"^(\S+)\s+([\d.]+) -> ([\d.]+)\s+([\d.]+)$", captured.out, flags=re.M)
+    assert [r[0] for r in rows] == ["rloo", "reinforce_pp"]
 
 
 def test_demo_covers_every_algorithm():

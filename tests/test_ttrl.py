@@ -72,6 +72,41 @@ def test_reward_functions_beside_the_vote(tmp_path, toy_model_dir, toy_dataset):
     assert trainer.reward_func_names == ["majority_vote", "format"]
 
 
+def test_a_labelled_reward_is_refused_unless_allowed(tmp_path, toy_model_dir, toy_dataset, monkeypatch):
+    """TTRL is label-free: a reward that reads a dataset column (the ground truth) was silently added to the vote
+    (a logged reward of 1.75 = vote + accuracy). It is refused at construction, before the model loads, naming the
+    function and the column; `allow_labelled_rewards=True` accepts it with a warning; label-free extras stay silent."""
+    from trl import rewards as trl_rewards
+    import transformers
+
+    from trl_ppo_variants.toy import addition_reward
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was about to be loaded")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+        for func, column in ((R.math_accuracy, "answer"), (addition_reward, "answer"),
+                             (trl_rewards.accuracy_reward, "solution")):
+            with pytest.raises(ValueError) as err:
+                TTRLTrainer(toy_model_dir, reward_funcs=[func], args=toy_args(TTRLConfig, tmp_path),
+                            train_dataset=toy_dataset)
+            message = str(err.value)
+            assert message.startswith("reward_funcs: expected label-free rewards for TTRL") and "\n" not in message
+            assert f"'{func.__name__}' (reads {column})" in message and "allow_labelled_rewards=True" in message
+    with pytest.warns(UserWarning, match=r"'math_accuracy' \(reads answer\).*not label-free"):
+        trainer = TTRLTrainer(toy_model_dir, reward_funcs=["math_accuracy"],
+                              args=toy_args(TTRLConfig, tmp_path, allow_labelled_rewards=True),
+                              train_dataset=toy_dataset)
+    assert trainer.reward_func_names == ["majority_vote", "math_accuracy"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        TTRLTrainer(toy_model_dir, reward_funcs=["format"], args=toy_args(TTRLConfig, tmp_path),
+                    train_dataset=toy_dataset)
+
+
 # ------------------------------------------------------------------------------------------------ one step, inspected
 class Probe(TTRLTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -20,10 +20,13 @@ import argparse
 import difflib
 import importlib
 import importlib.util
-import inspect
 import os
+import re
 import sys
+import warnings
 from dataclasses import dataclass, field
+
+from .rewards import required_columns  # noqa: F401 - the CLI's check of dataset columns, and the API's name
 
 PROG = "trl-ppo-variants"
 TRACEBACK_ENV = "TRL_PPO_VARIANTS_TRACEBACK"
@@ -31,12 +34,17 @@ TRACEBACK_ENV = "TRL_PPO_VARIANTS_TRACEBACK"
 
 @dataclass(frozen=True)
 class Algorithm:
-    module: str  # under trl_ppo_variants.trainers
+    module: str  # under `package`
     config: str
     trainer: str
     summary: str
     defaults: tuple = ()  # (field, value) pairs this algorithm name presets (YAML and the command line may not contradict)
     own_reward: bool = False  # the trainer computes its reward itself (TTRL's majority vote): reward_funcs optional
+    package: str = "trl_ppo_variants.trainers"  # "" when `module` is a full module path
+
+    @property
+    def module_path(self) -> str:
+        return f"{self.package}.{self.module}" if self.package else self.module
 
 
 ALGORITHMS: dict[str, Algorithm] = {
@@ -58,6 +66,21 @@ ALGORITHMS: dict[str, Algorithm] = {
     "process_grpo": Algorithm("process_grpo", "ProcessGRPOConfig", "ProcessGRPOTrainer",
                               "GRPO with process supervision: step rewards normalised per group (arXiv 2402.03300)"),
 }
+
+
+#: `trl-ppo-variants grpo`: TRL's own GRPO run from the same recipes and command line, the baseline every algorithm
+#: here is compared with. The one place that says which trainer and config it runs (module path, config class,
+#: trainer class); nothing else in the CLI names them.
+GRPO_BASELINE = Algorithm("trl", "GRPOConfig", "GRPOTrainer",
+                          "GRPO: TRL's own GRPOTrainer, the baseline to compare with (arXiv 2402.03300)", package="")
+
+#: commands that run a trainer that is not one of this package's algorithms
+BASELINES: dict[str, Algorithm] = {"grpo": GRPO_BASELINE}
+
+
+def command_spec(name: str) -> Algorithm | None:
+    """The `Algorithm` a command name runs (one of ours or a baseline), or None."""
+    return ALGORITHMS.get(name) or BASELINES.get(name)
 
 
 class CLIError(Exception):
@@ -94,16 +117,22 @@ class VariantScriptArguments:
             Preprocessing applied to every row (with `datasets.map`) before the prompt column is read: a built-in
             name (`"gsm8k"`: `question` -> `prompt`, `answer` -> the number after `####`, the worked solution kept as
             `solution`) or `"module:function"` taking a row and returning the columns to add or replace.
-        reward_funcs (`list[str]`, *optional*):
-            Reward functions: built-in names of `trl_ppo_variants.rewards`, `"module:function"`, or a dotted import
-            path `"package.module.function"` as in `trl grpo`. A function's arguments without a default (other than
-            `prompts`, `completions`, `completion_ids`) name the dataset columns it needs.
+        reward_funcs (`list[str]` or `str`, *optional*):
+            Reward functions: built-in names of `trl_ppo_variants.rewards`, TRL's own by the names `trl grpo` accepts
+            (`accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`, `get_soft_overlong_punishment`),
+            `"module:function"`, or a dotted import path `"package.module.function"` as in `trl grpo`. One name may
+            be given as a plain string. A function's arguments without a default (other than `prompts`,
+            `completions`, `completion_ids`) name the dataset columns it needs.
         reward_model_name_or_path (`str`, *optional*):
             A sequence-classification reward model (Hub id or local directory), used in addition to `reward_funcs`.
         step_reward_funcs (`list[str]`, *optional*):
             Step reward functions (process supervision), named as `reward_funcs`, each returning per completion a
             list with one reward per step (`trl_ppo_variants.process`). Taken by the algorithms whose config has
             `step_separator` (process_grpo, ppo, vapo, reinforce_pp); their outcome rewards stay in `reward_funcs`.
+        base_model (`str`, *optional*):
+            The Hub id the model card names as `base_model` when `model_name_or_path` is a local folder holding a
+            copy of that Hub model. Without it the card has a `base_model` for a Hub id, for the built-in
+            `smollm2-135m-instruct` (`HuggingFaceTB/SmolLM2-135M-Instruct`) and for a folder of the Hub cache.
     """
 
     dataset_name: str | None = field(
@@ -130,7 +159,8 @@ class VariantScriptArguments:
     )
     reward_funcs: list[str] | None = field(
         default=None,
-        metadata={"help": "Reward functions: built-in names, 'module:function', or 'package.module.function'."},
+        metadata={"help": "Reward functions: built-in names, TRL's (accuracy_reward, think_format_reward, ...), "
+                          "'module:function', or 'package.module.function'."},
     )
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "A sequence-classification reward model (Hub id or local directory)."}
@@ -139,12 +169,20 @@ class VariantScriptArguments:
         default=None,
         metadata={"help": "Step reward functions (one reward per step of a completion), named as reward_funcs."},
     )
+    base_model: str | None = field(
+        default=None,
+        metadata={"help": "Hub id written as the model card's base_model when model_name_or_path is a local folder "
+                          "(a copy of that Hub model)."},
+    )
 
 
 # ------------------------------------------------------------------------------------------------- algorithms
 def algorithm_available(name: str) -> bool:
     """Whether the algorithm's module is installed (cheap: finds the module without importing it)."""
-    return importlib.util.find_spec(f"trl_ppo_variants.trainers.{ALGORITHMS[name].module}") is not None
+    try:
+        return importlib.util.find_spec(command_spec(name).module_path) is not None
+    except ModuleNotFoundError:  # a parent package of the module is missing
+        return False
 
 
 def installed_algorithms() -> list[str]:
@@ -152,14 +190,32 @@ def installed_algorithms() -> list[str]:
     return [name for name in ALGORITHMS if algorithm_available(name)]
 
 
+def parse_algorithm_list(spec: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The demos' `--algo`: `"all"` (every installed algorithm, after `extra`, e.g. the demo's `grpo` reference) or
+    comma-separated names, each one of `extra` or an installed algorithm; ValueError (one line) otherwise."""
+    if spec.strip() == "all":
+        return [*extra, *installed_algorithms()]
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    known = [*extra, *ALGORITHMS]
+    if not names:
+        raise ValueError(f"no algorithm named: expected 'all' or one or more of {', '.join(known)}")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown algorithm '{name}': expected 'all' or one or more of {', '.join(known)}")
+        if name not in extra and not algorithm_available(name):
+            raise ValueError(f"algorithm '{name}' is not installed")
+    return names
+
+
 def load_algorithm(name: str):
     """(config class, trainer class) of an algorithm, or a CLIError naming what is missing."""
-    if name not in ALGORITHMS:
-        close = difflib.get_close_matches(name, ALGORITHMS, n=1)
+    spec = command_spec(name)
+    if spec is None:
+        commands = [*ALGORITHMS, *BASELINES]
+        close = difflib.get_close_matches(name, commands, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise CLIError(f"unknown algorithm '{name}': expected one of {', '.join(ALGORITHMS)}{hint}")
-    spec = ALGORITHMS[name]
-    module_name = f"trl_ppo_variants.trainers.{spec.module}"
+        raise CLIError(f"unknown algorithm '{name}': expected one of {', '.join(commands)}{hint}")
+    module_name = spec.module_path
     if not algorithm_available(name):
         raise CLIError(f"algorithm '{name}' is not available in this installation: module {module_name} is missing")
     try:
@@ -183,16 +239,20 @@ def top_level_help() -> str:
         "algorithms:",
     ]
     for name, spec in ALGORITHMS.items():
-        note = "" if algorithm_available(name) else f"  [not installed: trl_ppo_variants.trainers.{spec.module}]"
+        note = "" if algorithm_available(name) else f"  [not installed: {spec.module_path}]"
         lines.append(f"  {name:<{width}}  {spec.summary}{note}")
+    lines += ["", "baseline:"]
+    lines += [f"  {name:<{width}}  {spec.summary}" for name, spec in BASELINES.items()]
     lines += [
         "",
         f"Run `{PROG} <algorithm> --help` for every field of that algorithm (its config, TRL's GRPOConfig, ModelConfig",
         "and the script arguments). Fields can be set in the YAML recipe or on the command line; the command line wins.",
+        f"--config takes a YAML file or the name of a recipe shipped with the package (`{PROG} recipes` lists them).",
         "",
         "examples:",
-        f"  {PROG} dapo --config recipes/dapo.yaml",
+        f"  {PROG} dapo --config dapo",
         f"  {PROG} rloo --config recipes/rloo.yaml --learning_rate 2e-6 --output_dir runs/rloo",
+        f"  {PROG} grpo --config smollm2_offline --use_cpu true   # TRL's GRPOTrainer on the same recipe",
         "  accelerate launch --config_file recipes/accelerate/zero2.yaml -m trl_ppo_variants dapo "
         "--config recipes/dapo.yaml",
     ]
@@ -222,22 +282,85 @@ def build_parser(algorithm: str):
     from trl import DatasetMixtureConfig, ModelConfig
 
     config_cls, _ = load_algorithm(algorithm)
+    spec = command_spec(algorithm)
     parser = _make_parser_class()(
         (VariantScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig),
         prog=f"{PROG} {algorithm}",
         allow_abbrev=False,  # `--learning 1e-5` must be an unknown field, not a silent prefix of learning_rate
-        description=f"{ALGORITHMS[algorithm].summary}. Every field below can also be set in the --config YAML recipe.",
+        description=f"{spec.summary}. Every field below can also be set in the --config YAML recipe.",
     )
-    parser.add_argument("--config", metavar="RECIPE.yaml", help="YAML recipe; command-line fields override it.")
-    defaults = dict(ALGORITHMS[algorithm].defaults)
+    parser.add_argument("--config", metavar="RECIPE",
+                        help="YAML recipe (a file, or the name of a shipped recipe: `trl-ppo-variants recipes`); "
+                             "command-line fields override it.")
+    for action in parser._actions:
+        # argparse %-formats help texts: a bare % ("20%% of ...") in any field's help would crash --help
+        if action.help:
+            action.help = _PERCENT.sub("%%", action.help)
+    defaults = dict(spec.defaults)
     if defaults:
         parser.set_defaults(**defaults)
     return parser
 
 
+#: a lone `%`: neither escaped (`%%`) nor an argparse format specifier such as `%(default)s`
+_PERCENT = re.compile(r"(?<!%)%(?![%(])")
+
+
 def parser_fields(parser) -> set[str]:
     """Every field name the parser accepts (the `dest` of each option)."""
     return {a.dest for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+
+
+def _option_names(parser) -> set[str]:
+    """Every option the parser accepts, without its dashes (`no_x` negations and dashed aliases included)."""
+    return {s.lstrip("-") for a in parser._actions for s in a.option_strings}
+
+
+def recipes_dir() -> str | None:
+    """The folder of the recipes shipped with the package: `trl_ppo_variants/recipes/` in an installed package (its
+    package data), else `recipes/` of the source tree the package runs from (a clone or an editable install)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "recipes"), os.path.join(os.path.dirname(here), "recipes")):
+        if os.path.isfile(os.path.join(path, "smollm2_offline.yaml")):
+            return path
+    return None
+
+
+def recipe_names() -> list[str]:
+    """Names of the shipped recipes (`dapo`, `smollm2_offline`, ...), as `--config` accepts them."""
+    folder = recipes_dir()
+    if folder is None:
+        return []
+    return sorted(f[: -len(".yaml")] for f in os.listdir(folder) if f.endswith(".yaml"))
+
+
+def resolve_recipe(value: str) -> str:
+    """`--config`'s value -> a recipe file: an existing path as is, else a shipped recipe named `dapo`, `dapo.yaml`
+    or `recipes/dapo.yaml` (the README's commands, run outside a clone)."""
+    if os.path.exists(value):
+        return value
+    head, name = os.path.split(value)
+    name = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    if head in ("", "recipes") and name in recipe_names():
+        return os.path.join(recipes_dir(), f"{name}.yaml")
+    names = recipe_names()
+    shipped = f" or a shipped recipe name ({', '.join(names)})" if names else ""
+    raise CLIError(f"--config: no such recipe file '{value}' (expected a YAML file{shipped})")
+
+
+def recipes_listing() -> str:
+    """What `trl-ppo-variants recipes` prints: each shipped recipe's name and path, and the accelerate configs."""
+    folder = recipes_dir()
+    if folder is None:
+        return f"{PROG}: no recipes are installed with this copy of the package"
+    lines = [f"recipes ({folder}); run one with `{PROG} <algorithm> --config <name>`:"]
+    lines += [f"  {name:<24} {os.path.join(folder, name + '.yaml')}" for name in recipe_names()]
+    accelerate = os.path.join(folder, "accelerate")
+    if os.path.isdir(accelerate):
+        lines += ["", "accelerate configs (`accelerate launch --config_file <path> -m trl_ppo_variants ...`):"]
+        lines += [f"  {os.path.join(accelerate, f)}" for f in sorted(os.listdir(accelerate)) if f.endswith(".yaml")]
+    lines += ["", f"What each recipe is sized for: {os.path.join(folder, 'README.md')}"]
+    return "\n".join(lines)
 
 
 def read_recipe(path: str) -> dict:
@@ -258,6 +381,34 @@ def read_recipe(path: str) -> dict:
     return data
 
 
+def _unknown_field(name: str, shown: str, fields: set[str], algorithm: str, where: str = "") -> CLIError:
+    """The one-line error for a field the algorithm does not have: a did-you-mean, or the algorithms that have it."""
+    close = difflib.get_close_matches(name, fields, n=1)
+    prefix = "--" if shown.startswith("--") else ""
+    if close:
+        hint = f" (did you mean '{prefix}{close[0]}'?)"
+    else:
+        owners = _algorithms_with_field(name)
+        hint = f" (a field of {', '.join(owners)})" if owners else ""
+    return CLIError(f"{where}unknown field '{shown}' for {algorithm}{hint}; run `{PROG} {algorithm} --help` for the "
+                    "fields")
+
+
+def _algorithms_with_field(name: str) -> list[str]:
+    """The installed algorithms whose config has the field `name` (an error path only: imports their modules)."""
+    import dataclasses
+
+    owners = []
+    for algo in installed_algorithms():
+        try:
+            config_cls, _ = load_algorithm(algo)
+        except CLIError:
+            continue
+        if any(f.name == name for f in dataclasses.fields(config_cls)):
+            owners.append(algo)
+    return owners
+
+
 def check_recipe_keys(recipe: dict, fields: set[str], algorithm: str, path: str) -> None:
     """A wrong field name in a recipe is an error (TRL would pass it on as an unknown argument or ignore it)."""
     for key in recipe:
@@ -266,22 +417,67 @@ def check_recipe_keys(recipe: dict, fields: set[str], algorithm: str, path: str)
                 raise CLIError(f"{path}: 'env' must be a mapping of environment variables")
             continue
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise CLIError(f"{path}: unknown field '{key}' for {algorithm}{hint}; "
-                           f"run `{PROG} {algorithm} --help` for the fields")
+            raise _unknown_field(str(key), str(key), fields, algorithm, f"{path}: ")
 
 
-def parse_args(algorithm: str, args: list[str]):
-    """Parse a recipe and command-line overrides into (script_args, training_args, model_args, dataset_args)."""
+def _check_command_line_fields(args: list[str], options: set[str], fields: set[str], algorithm: str) -> None:
+    """Unknown `--field`s are reported before the configs are built, so that a typo is the error the user sees (a
+    config's own checks, run while parsing, would otherwise come first)."""
+    for token in args:
+        if token.startswith("--") and len(token) > 2:
+            name = token[2:].split("=", 1)[0]
+            if name not in options:
+                raise _unknown_field(name, token, fields, algorithm)
+
+
+def _command_line_value(args: list[str], name: str):
+    """The value of `--name value` / `--name=value` on the command line, or None."""
+    for i, token in enumerate(args):
+        if token == f"--{name}" and i + 1 < len(args):
+            return args[i + 1]
+        if token.startswith(f"--{name}="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def _restate_config_error(error: Exception) -> str:
+    """A config's `__post_init__` error as one line; transformers' bf16 refusal on a machine without a GPU names
+    the fields to set (TRL's configs default to bf16)."""
+    text = _one_line(error)
+    if "support bf16/gpu" in text:
+        return ("bf16: expected false on this machine, which has no GPU with bf16 support (TRL's configs default to "
+                "bf16: true): set use_cpu: true to train on the CPU, or bf16: false")
+    return text
+
+
+def _parse_bool_or_path(value):
+    """`resume_from_checkpoint` as the README documents it, from YAML or the command line: true -> True (the last
+    complete checkpoint of output_dir), false/none -> None, anything else a path."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "yes"):
+        return True
+    if value is False or isinstance(value, str) and value.strip().lower() in ("false", "no", "none", ""):
+        return None
+    return value
+
+
+def parse_args(algorithm: str, args: list[str], require_model: bool = False):
+    """Parse a recipe and command-line overrides into (script_args, training_args, model_args, dataset_args).
+
+    `require_model`: a missing `model_name_or_path` (neither in the recipe nor on the command line) is reported
+    before the machine's bf16 refusal."""
     parser = build_parser(algorithm)
     fields = parser_fields(parser)
     args = list(args)
+    recipe, command_line = {}, args
     if "--config" in args:
         i = args.index("--config")
         if i + 1 >= len(args):
-            raise CLIError("--config: expected the path of a YAML recipe")
-        check_recipe_keys(read_recipe(args[i + 1]), fields, algorithm, args[i + 1])
+            raise CLIError("--config: expected the path of a YAML recipe or a recipe name")
+        args[i + 1] = resolve_recipe(args[i + 1])
+        recipe = read_recipe(args[i + 1])
+        check_recipe_keys(recipe, fields, algorithm, args[i + 1])
+        command_line = args[:i] + args[i + 2 :]
+    _check_command_line_fields(command_line, _option_names(parser), fields, algorithm)
     try:
         *parsed, config_left, cli_left = parser.parse_args_and_config(
             args, return_remaining_strings=True, separate_remaining_strings=True
@@ -289,42 +485,39 @@ def parse_args(algorithm: str, args: list[str]):
     except CLIError:
         raise
     except (ValueError, TypeError) as e:  # a config's __post_init__ check: already names the field
-        raise CLIError(_one_line(e)) from e
+        message = _restate_config_error(e)
+        if (require_model and message.startswith("bf16:")
+                and not (_command_line_value(command_line, "model_name_or_path") or recipe.get("model_name_or_path"))):
+            check_model_path(None)  # no model at all: that, not the machine, is what to fix first
+        raise CLIError(message) from e
     left = [a for a in config_left + cli_left if a.startswith("--")] or config_left + cli_left
     if left:
         name = left[0].lstrip("-").split("=")[0]
-        close = difflib.get_close_matches(name, fields, n=1)
-        hint = f" (did you mean '--{close[0]}'?)" if close else ""
-        raise CLIError(f"unknown field '{left[0]}' for {algorithm}{hint}; run `{PROG} {algorithm} --help` for the "
-                       "fields")
+        raise _unknown_field(name, left[0], fields, algorithm)
     # the namespace of `--config` (declared only for --help; TrlParser consumes it) trails the four dataclasses
     script_args, training_args, model_args, dataset_args = parsed[:4]
-    for key, value in ALGORITHMS[algorithm].defaults:
+    for key, value in command_spec(algorithm).defaults:
         if getattr(training_args, key) != value:
             raise CLIError(f"{key}: expected {value} for algorithm '{algorithm}', got {getattr(training_args, key)}"
                            f" (use another algorithm name instead)")
+    training_args.resume_from_checkpoint = _parse_bool_or_path(training_args.resume_from_checkpoint)
     return script_args, training_args, model_args, dataset_args
 
 
 # ------------------------------------------------------------------------------------------------- rewards
-#: arguments TRL passes to every reward function that are not dataset columns
-_TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
-                    "environments", "environment", "tools"}
-
-
-def _import_function(module_name: str, func_name: str, spec: str):
+def _import_function(module_name: str, func_name: str, spec: str, field_name: str = "reward_funcs"):
     if os.getcwd() not in sys.path:  # `module:function` files next to the recipe, as `trl grpo` allows
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        raise CLIError(f"reward_funcs: cannot import module '{module_name}' of '{spec}' "
+        raise CLIError(f"{field_name}: cannot import module '{module_name}' of '{spec}' "
                        f"(expected 'module:function' importable from the working directory): {_one_line(e)}") from e
     except Exception as e:
-        raise CLIError(f"reward_funcs: importing module '{module_name}' of '{spec}' failed: {_one_line(e)}") from e
+        raise CLIError(f"{field_name}: importing module '{module_name}' of '{spec}' failed: {_one_line(e)}") from e
     func = getattr(module, func_name, None)
     if func is None or not callable(func):
-        raise CLIError(f"reward_funcs: module '{module_name}' has no function '{func_name}' (from '{spec}')")
+        raise CLIError(f"{field_name}: module '{module_name}' has no function '{func_name}' (from '{spec}')")
     return func
 
 
@@ -337,23 +530,48 @@ def builtin_reward_names() -> list[str]:
     return sorted(getattr(rewards, "REWARD_FUNCTIONS", {}))
 
 
-def _builtin_kwargs(name: str, training_args) -> dict:
-    """Settings a built-in reward takes from the run: the overlong penalty's lengths (DAPO Eq. 13: the cache is
-    `overlong_cache_length`, else 20% of `max_completion_length`, the paper's 4096 / 20480)."""
-    if name != "overlong" or training_args is None:
-        return {}
+#: TRL's own reward functions (`trl.rewards`) by the short names `trl grpo` accepts. `get_soft_overlong_punishment`
+#: takes its lengths from the run (`max_completion_length`, and DAPO's `overlong_cache_length` or 20% of it), where
+#: `trl grpo` fixes them at 1280 / 256; the accuracy rewards need `math-verify` and read the `solution` column.
+TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
+_NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
+
+
+def _overlong_lengths(training_args) -> dict:
+    """The overlong penalty's lengths from the run (DAPO Eq. 13: the cache is `overlong_cache_length`, else 20% of
+    `max_completion_length`, the paper's 4096 / 20480)."""
     max_len = int(training_args.max_completion_length)
     cache = getattr(training_args, "overlong_cache_length", None) or max(1, max_len // 5)
     return {"max_completion_len": max_len, "soft_punish_cache": int(cache)}
 
 
-def resolve_reward(spec: str, training_args=None):
-    """A reward function from its recipe name: `module:function`, a built-in name, or `package.module.function`."""
+def _builtin_kwargs(name: str, training_args) -> dict:
+    """Settings a built-in reward takes from the run: the overlong penalty's lengths."""
+    if name != "overlong" or training_args is None:
+        return {}
+    return _overlong_lengths(training_args)
+
+
+def _trl_reward(name: str, training_args, field_name: str):
+    if name in _NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
+        raise CLIError(f"{field_name}: '{name}' (TRL's) needs the math-verify package (pip install math-verify)")
+    from trl import rewards as trl_rewards
+
+    if name == "get_soft_overlong_punishment":
+        lengths = _overlong_lengths(training_args) if training_args is not None else \
+            {"max_completion_len": 1280, "soft_punish_cache": 256}  # `trl grpo`'s
+        return trl_rewards.get_soft_overlong_punishment(**lengths)
+    return getattr(trl_rewards, name)
+
+
+def resolve_reward(spec: str, training_args=None, field_name: str = "reward_funcs"):
+    """A reward function from its recipe name: `module:function`, a built-in name of this package, a short name of
+    TRL's own (`TRL_REWARDS`), or `package.module.function`."""
     if not isinstance(spec, str) or not spec:
-        raise CLIError(f"reward_funcs: expected a reward function name, got {spec!r}")
+        raise CLIError(f"{field_name}: expected a reward function name, got {spec!r}")
     if ":" in spec:
         module_name, func_name = spec.rsplit(":", 1)
-        return _import_function(module_name, func_name, spec)
+        return _import_function(module_name, func_name, spec, field_name)
     builtins = builtin_reward_names()
     if spec in builtins:
         from .rewards import get_reward_function
@@ -361,33 +579,29 @@ def resolve_reward(spec: str, training_args=None):
         try:
             return get_reward_function(spec, **_builtin_kwargs(spec, training_args))
         except ValueError as e:
-            raise CLIError(f"reward_funcs: '{spec}': {_one_line(e)}") from e
+            raise CLIError(f"{field_name}: '{spec}': {_one_line(e)}") from e
+    if spec in TRL_REWARDS:
+        return _trl_reward(spec, training_args, field_name)
     if "." in spec:  # TRL's dotted form, as `trl grpo` accepts
         module_name, func_name = spec.rsplit(".", 1)
-        return _import_function(module_name, func_name, spec)
-    close = difflib.get_close_matches(spec, builtins, n=1)
+        return _import_function(module_name, func_name, spec, field_name)
+    close = difflib.get_close_matches(spec, [*builtins, *TRL_REWARDS], n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
-    expected = f"one of {', '.join(builtins)}" if builtins else "'module:function' (no built-in rewards installed)"
-    raise CLIError(f"reward_funcs: unknown reward function '{spec}'{hint}: expected {expected}, or "
-                   "'module:function'")
+    ours = f"one of {', '.join(builtins)} (this package's), " if builtins else ""
+    raise CLIError(f"{field_name}: unknown reward function '{spec}'{hint}: expected {ours}one of "
+                   f"{', '.join(TRL_REWARDS)} (TRL's), 'module:function' or 'package.module.function'")
 
 
-def required_columns(func) -> list[str]:
-    """Dataset columns a reward function needs: its `required_columns` attribute when it has one, else the
-    parameters without a default that TRL does not supply itself (TRL passes every other column as a keyword)."""
-    explicit = getattr(func, "required_columns", None)
-    if explicit is not None:
-        return list(explicit)
-    column = getattr(func, "column", None)  # `rewards.make_math_accuracy(column=...)` reads its truth from **kwargs
-    if isinstance(column, str):
-        return [column]
-    try:
-        params = inspect.signature(func).parameters.values()
-    except (TypeError, ValueError):
+def reward_names(value, field_name: str) -> list[str]:
+    """`reward_funcs` / `step_reward_funcs` as a list of names: a YAML list, or one name as a plain string (`mod:acc`
+    is one function, not a list of characters); anything else is a one-line error naming the field."""
+    if value is None:
         return []
-    return [p.name for p in params
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
-            and p.name not in _TRL_REWARD_ARGS]
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
+        return list(value)
+    raise CLIError(f"{field_name}: expected a reward function name or a list of names, got {value!r}")
 
 
 def _reward_name(func) -> str:
@@ -412,10 +626,7 @@ def resolve_dataset_map(spec: str):
         return DATASET_MAPS[spec]
     if ":" in spec:
         module_name, func_name = spec.rsplit(":", 1)
-        try:
-            return _import_function(module_name, func_name, spec)
-        except CLIError as e:
-            raise CLIError(str(e).replace("reward_funcs:", "dataset_map:", 1)) from None
+        return _import_function(module_name, func_name, spec, "dataset_map")
     raise CLIError(f"dataset_map: unknown map '{spec}': expected one of {', '.join(DATASET_MAPS)} or "
                    "'module:function'")
 
@@ -618,7 +829,8 @@ def _dataset_hub_id(name: str | None) -> str | None:
 
 def prepare(algorithm: str, args: list[str]) -> dict:
     """Every cheap check and load short of the model: returns what `train` needs. Raises CLIError on bad input."""
-    script_args, training_args, model_args, dataset_args = parse_args(algorithm, args)
+    script_args, training_args, model_args, dataset_args = parse_args(algorithm, args, require_model=True)
+    spec = command_spec(algorithm)
     _, trainer_cls = load_algorithm(algorithm)
     alias = _builtin(MODEL_ALIASES, model_args.model_name_or_path) is not None
     if alias:  # the packages it is built from are checked now; the (slow, cached) build waits for the cheap checks
@@ -627,19 +839,21 @@ def prepare(algorithm: str, args: list[str]) -> dict:
         check_model_path(model_args.model_name_or_path)
     if script_args.reward_model_name_or_path:
         check_model_path(script_args.reward_model_name_or_path, "reward_model_name_or_path")
-    specs = list(script_args.reward_funcs or [])
-    if ALGORITHMS[algorithm].own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
+    check_output_dir(training_args.output_dir)
+    check_report_to(training_args.report_to)
+    check_resume(training_args)
+    specs = reward_names(script_args.reward_funcs, "reward_funcs")
+    if spec.own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
         specs = [s for s in specs if s != "majority_vote"]
     reward_funcs = [resolve_reward(s, training_args) for s in specs]
-    step_specs = list(script_args.step_reward_funcs or [])
+    step_specs = reward_names(script_args.step_reward_funcs, "step_reward_funcs")
     takes_steps = hasattr(training_args, "step_separator")
     if step_specs and not takes_steps:
         raise CLIError(f"step_reward_funcs: expected none for {algorithm} (step rewards are taken by "
                        f"{', '.join(a for a in ALGORITHMS if _takes_step_rewards(a))})")
-    step_reward_funcs = [resolve_reward(s, training_args) for s in step_specs]
+    step_reward_funcs = [resolve_reward(s, training_args, "step_reward_funcs") for s in step_specs]
     has_steps = bool(step_reward_funcs) or bool(getattr(training_args, "process_reward_model_path", None))
-    if (not reward_funcs and not script_args.reward_model_name_or_path and not ALGORITHMS[algorithm].own_reward
-            and not has_steps):
+    if not reward_funcs and not script_args.reward_model_name_or_path and not spec.own_reward and not has_steps:
         raise CLIError("reward_funcs: expected at least one reward function (a built-in name or 'module:function') "
                        "or reward_model_name_or_path" + (", step_reward_funcs or process_reward_model_path"
                                                          if takes_steps else ""))
@@ -658,6 +872,71 @@ def prepare(algorithm: str, args: list[str]) -> dict:
     return dict(script_args=script_args, training_args=training_args, model_args=model_args,
                 trainer_cls=trainer_cls, reward_funcs=reward_funcs, step_reward_funcs=step_reward_funcs, train=train,
                 evaluation=evaluation)
+
+
+def check_output_dir(path: str | None) -> None:
+    """`output_dir` must be a folder that can be created and written (transformers fails only after the model has
+    loaded)."""
+    if not path:
+        return
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise CLIError(f"output_dir: '{path}' is a file (expected a folder, existing or not)")
+    parent = path
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise CLIError(f"output_dir: cannot create '{path}': '{parent}' is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CLIError(f"output_dir: cannot write to '{parent}' (permission denied)")
+
+
+#: the package to install for a `report_to` integration, where its name is not the integration's
+_REPORT_TO_PACKAGES = {"tensorboard": "tensorboard", "comet_ml": "comet-ml", "azure_ml": "azureml-core",
+                       "neptune": "neptune", "codecarbon": "codecarbon", "dagshub": "dagshub mlflow",
+                       "flyte": "flytekit", "dvclive": "dvclive", "kubeflow": "kubeflow"}
+
+
+def check_report_to(report_to) -> None:
+    """Every `report_to` tracker is known and its package installed (transformers fails after the model loads)."""
+    from transformers.integrations import get_available_reporting_integrations
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    available = None
+    for name in names:
+        if name in ("none", "all"):
+            continue
+        if name not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(str(name), INTEGRATION_TO_CALLBACK, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise CLIError(f"report_to: unknown tracker '{name}'{hint}: expected none, all, or one or more of "
+                           f"{', '.join(INTEGRATION_TO_CALLBACK)}")
+        if available is None:
+            available = get_available_reporting_integrations()
+        if name not in available:
+            package = _REPORT_TO_PACKAGES.get(name, name)
+            raise CLIError(f"report_to: '{name}' needs the `{package}` package, which is not installed "
+                           f"(pip install {package}), or use report_to: none")
+
+
+def check_resume(training_args) -> None:
+    """`resume_from_checkpoint` (True: the last complete checkpoint of output_dir; a path: that checkpoint) is
+    checked before the model loads: a missing or half-written checkpoint is one line naming the field."""
+    from .checkpointing import resolve_resume
+
+    value = training_args.resume_from_checkpoint
+    if value is None:
+        return
+    if value is not True:
+        path = os.path.expanduser(str(value))
+        if not os.path.isdir(path):
+            raise CLIError(f"resume_from_checkpoint: no such checkpoint folder '{value}' (expected a checkpoint-N "
+                           "folder, or true for the last complete one in output_dir)")
+    try:
+        training_args.resume_from_checkpoint = resolve_resume(value, training_args.output_dir)
+    except ValueError as e:
+        raise CLIError(_one_line(e)) from e
 
 
 def _takes_step_rewards(algorithm: str) -> bool:
@@ -696,13 +975,51 @@ def build_trainer(p: dict):
     )
 
 
+#: how `accelerate`'s distributed types read in the run summary ("NO": a single process)
+_DISTRIBUTION_WORDS = {"NO": "", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "MULTI_XPU": "DDP", "MULTI_NPU": "DDP",
+                       "MULTI_MLU": "DDP", "MULTI_MUSA": "DDP", "MULTI_HPU": "DDP", "MULTI_SDAA": "DDP",
+                       "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP", "MEGATRON_LM": "Megatron-LM", "XLA": "XLA"}
+
+
+def _plural(count: int, word: str, plural: str | None = None) -> str:
+    return f"{count} {word if count == 1 else plural or word + 's'}"
+
+
 def _describe_distribution(trainer) -> str:
+    """'1 process on cpu', '2 processes on cpu (DDP)', '8 processes on cuda (DeepSpeed ZeRO-3)'."""
     acc = trainer.accelerator
-    text = f"{acc.num_processes} process(es), {acc.distributed_type.value}"
+    kind = acc.distributed_type.value
+    words = _DISTRIBUTION_WORDS.get(kind, kind)
     plugin = getattr(acc.state, "deepspeed_plugin", None)
     if getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None:
-        text += f" ZeRO-{plugin.zero_stage}"
+        words = f"DeepSpeed ZeRO-{plugin.zero_stage}"
+    text = f"{_plural(acc.num_processes, 'process', 'processes')} on {acc.device.type}"
+    return f"{text} ({words})" if words else text
+
+
+def _scoring_warning(trainer) -> str | None:
+    """A summary line when some completions of the run got no finite reward (None/NaN from every function)."""
+    tally = getattr(trainer, "scoring_tally", None)
+    if not tally or not tally.get("unscorable_completions"):
+        return None
+    text = (f"{PROG}: warning: {tally['unscorable_completions']} of {tally['completions']} generated completions got "
+            "no finite reward (every reward function returned None or NaN: advantage 0, nothing learned from them)")
+    if tally["unscorable_batches"]:
+        text += (f"; in {tally['unscorable_batches']} of the {_plural(tally['batches'], 'generation batch', 'generation batches')} "
+                 "not one was scorable")
     return text
+
+
+def _close_progress_bars(trainer) -> None:
+    """A run that fails mid-step leaves transformers' progress bar open; tqdm would redraw it at exit, after the
+    error, as the last line on screen."""
+    for callback in getattr(getattr(trainer, "callback_handler", None), "callbacks", []):
+        for name in ("training_bar", "prediction_bar"):
+            bar = getattr(callback, name, None)
+            if bar is not None:
+                bar.leave = False
+                bar.close()
+                setattr(callback, name, None)
 
 
 def run(algorithm: str, args: list[str]) -> int:
@@ -717,12 +1034,23 @@ def run(algorithm: str, args: list[str]) -> int:
         raise CLIError(f"setting up {algorithm} failed: {type(e).__name__}: {_one_line(e)}") from e
     training_args, script_args = p["training_args"], p["script_args"]
     trainer.model_card_dataset_name = _dataset_hub_id(script_args.dataset_name)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if script_args.base_model:
+        trainer.model_card_base_model = script_args.base_model
+    try:
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except BaseException:
+        _close_progress_bars(trainer)
+        raise
     trainer.save_model(training_args.output_dir)
-    trainer.create_model_card(dataset_name=trainer.model_card_dataset_name)
-    trainer.accelerator.print(f"{PROG}: trained {algorithm} for {trainer.state.global_step} steps on "
+    trainer.create_model_card(model_name=os.path.basename(os.path.normpath(training_args.output_dir)),
+                              dataset_name=trainer.model_card_dataset_name)
+    steps = trainer.state.global_step
+    trainer.accelerator.print(f"{PROG}: trained {algorithm} for {_plural(steps, 'step')} on "
                               f"{_describe_distribution(trainer)}; model and model card saved to "
                               f"{training_args.output_dir}")
+    warning = _scoring_warning(trainer)
+    if warning and trainer.accelerator.is_main_process:
+        print(warning, file=sys.stderr)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=trainer.model_card_dataset_name)
         trainer.accelerator.print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
@@ -731,8 +1059,14 @@ def run(algorithm: str, args: list[str]) -> int:
     return 0  # the process group is left to `entry` -> `distributed.finish`, which ends multi-process runs safely
 
 
+#: transformers' deprecation of the `gradient_checkpointing*` names, which TRL's configs and trainers still use: the
+#: user can do nothing about it, and it would precede every one-line error
+_GRADIENT_CHECKPOINTING_DEPRECATION = r"`\w*gradient_checkpointing\w*` is deprecated"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.filterwarnings("ignore", message=_GRADIENT_CHECKPOINTING_DEPRECATION, category=FutureWarning)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(top_level_help())
         return 0 if argv else 2
@@ -741,10 +1075,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{PROG} {__version__}")
         return 0
+    if argv[0] == "recipes":
+        print(recipes_listing())
+        return 0
     algorithm, rest = argv[0], argv[1:]
     try:
         if algorithm.startswith("-"):
-            raise CLIError(f"expected an algorithm first ({', '.join(ALGORITHMS)}), got '{algorithm}'")
+            raise CLIError(f"expected an algorithm first ({', '.join([*ALGORITHMS, *BASELINES])}), got '{algorithm}'")
         if any(a in ("-h", "--help") for a in rest):
             build_parser(algorithm).print_help()
             return 0

@@ -258,20 +258,11 @@ def plot_curves(rows: list[dict], before: float, path: str, title: str) -> str |
 
 def _select(spec: str | None) -> list[str]:
     """The algorithms named by `--algo` (raises ValueError with a one-line message)."""
-    from .cli import ALGORITHMS, algorithm_available
+    from .cli import algorithm_available, parse_algorithm_list
 
     if spec is None:
         return [a for a in DEFAULT_ALGOS if a == REFERENCE or algorithm_available(a)]
-    if spec == "all":
-        return algorithm_names()
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    known = [REFERENCE, *ALGORITHMS]
-    for name in names:
-        if name not in known:
-            raise ValueError(f"unknown algorithm '{name}': expected 'all' or one or more of {', '.join(known)}")
-        if name != REFERENCE and not algorithm_available(name):
-            raise ValueError(f"algorithm '{name}' is not installed")
-    return names
+    return parse_algorithm_list(spec, extra=(REFERENCE,))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,8 @@ The table of every check is in `docs/reliability.md`.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import numbers
 import os
@@ -144,6 +146,8 @@ def check_model_limits(trainer) -> None:
 
 
 # --------------------------------------------------------------------------------------------- rewards
+#: the logger of TRL's `GRPOTrainer._calculate_rewards`
+TRL_GRPO_LOGGER = "trl.trainer.grpo_trainer"
 
 
 def _one_line(text: str, limit: int = 160) -> str:
@@ -235,6 +239,22 @@ class RewardGuard:
 
         guarded.__name__ = getattr(func, "__name__", type(func).__name__)
         return guarded
+
+    @contextlib.contextmanager
+    def quiet_trl_none_warning(self):
+        """While TRL scores the batch: drop its warning "All reward functions returned None ... ensure that at least
+        one reward function returns a valid reward" when it comes from this guard's placeholders (a function raised
+        or returned bad output: the one-line error that follows says so). A real all-None row still warns."""
+        trl_logger = logging.getLogger(TRL_GRPO_LOGGER)
+
+        def keep(record: logging.LogRecord) -> bool:
+            return self.failure is None or "All reward functions returned None" not in str(record.msg)
+
+        trl_logger.addFilter(keep)
+        try:
+            yield
+        finally:
+            trl_logger.removeFilter(keep)
 
     def raise_if_failed(self) -> None:
         """Collective: every process raises the same kind of one-line error when any process recorded a failure."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -188,12 +189,16 @@ def algorithm_of(trainer_or_cls, args=None) -> str | None:
 
 def run_hyperparameters(args, num_processes: int = 1) -> dict:
     """The hyperparameters of a run: `_CORE_FIELDS`, then every field this package adds above `GRPOConfig`, then the
-    effective batch. `args` is a config instance (any `GRPOConfig` subclass)."""
+    effective batch. `args` is a config instance (any `GRPOConfig` subclass). Of `num_train_epochs` and `max_steps`
+    only the one that ends the run is listed (`max_steps > 0` overrides the epochs)."""
     from trl import GRPOConfig
 
     grpo_fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    ended_by_steps = (getattr(args, "max_steps", -1) or -1) > 0
     out = {}
     for name in _CORE_FIELDS:
+        if name == ("num_train_epochs" if ended_by_steps else "max_steps"):
+            continue
         if hasattr(args, name):
             out[name] = getattr(args, name)
     for f in dataclasses.fields(args):
@@ -253,8 +258,12 @@ def render_model_card(
     tags: list[str] | None = None,
     paper: Paper | None = None,
     value_model_dir: str | None = None,
+    tracker_urls: dict[str, str] | None = None,
+    base_model_note: str | None = None,
 ) -> str:
-    """The card's text (YAML front matter + Markdown). `paper` overrides the one of `algorithm` (foreign trainers)."""
+    """The card's text (YAML front matter + Markdown). `paper` overrides the one of `algorithm` (foreign trainers).
+    `tracker_urls`: the run's page on each experiment tracker (`tracker_run_urls`), linked as TRL's cards link them.
+    `base_model_note`: a sentence on how the weights relate to `base_model` (the built-in model's quantisation)."""
     from huggingface_hub import ModelCardData
 
     from . import __version__
@@ -280,6 +289,8 @@ def render_model_card(
     data = f" on the [{dataset_name}](https://huggingface.co/datasets/{dataset_name}) dataset" if dataset_name else ""
     lines.append(f"This model is a fine-tuned version of {source}{data}, trained with **{algo_name}**"
                  + (f", the method of [{paper.title}]({paper.url})" if paper else "") + ".")
+    if base_model_note:
+        lines.append(base_model_note)
     lines.append(f"It has been trained with `{PACKAGE_NAME}` {__version__}, which runs {algo_name} "
                  "as a drop-in trainer of [TRL](https://github.com/huggingface/trl).")
     if value_model_dir:
@@ -291,6 +302,11 @@ def render_model_card(
         'print(generator([{"role": "user", "content": "What is 12 * 7?"}], max_new_tokens=256, '
         'return_full_text=False)[0]["generated_text"])',
         "```", "", "## Training procedure", "",
+    ]
+    links = [f"[{_TRACKER_NAMES.get(name, name)} run]({url})" for name, url in (tracker_urls or {}).items() if url]
+    if links:
+        lines += ["Training logs: " + ", ".join(links) + ".", ""]
+    lines += [
         f"Algorithm: **{algo_name}**" + (f" ([arXiv:{paper.arxiv_id}]({paper.url}))" if paper else "") + ".", "",
         "### Training hyperparameters", "", "| Parameter | Value |", "|---|---|",
     ]
@@ -320,6 +336,60 @@ def render_model_card(
     return "\n".join(lines)
 
 
+#: how each tracker is named in the card's link to the run
+_TRACKER_NAMES = {"wandb": "Weights & Biases", "trackio": "Trackio", "comet": "Comet"}
+
+
+def tracker_run_urls() -> dict[str, str]:
+    """The pages of the experiment-tracker runs open in this process (Weights & Biases, Trackio, Comet), found as
+    TRL's own `create_model_card` finds them; trackers that are not installed or not running are left out."""
+    from transformers import is_wandb_available
+    from trl.trainer.utils import get_comet_experiment_url, get_trackio_space_url
+
+    urls = {}
+    if is_wandb_available():
+        import wandb
+
+        if wandb.run is not None:
+            urls["wandb"] = wandb.run.url
+    urls["trackio"] = get_trackio_space_url()
+    urls["comet"] = get_comet_experiment_url()
+    return {name: url for name, url in urls.items() if url}
+
+
+def card_tags(trainer, tags: list[str], trackio_url: str | None) -> list[str]:
+    """The tags TRL's cards carry besides the trainer's: `unsloth` for an Unsloth model, `hf_jobs` in a Hugging Face
+    Job, `trackio:<url>` for the Trackio run (replacing any older one)."""
+    out = [t for t in tags if not (trackio_url and t.startswith("trackio:"))]
+    config = getattr(getattr(trainer, "model", None), "config", None)
+    extra = ["unsloth"] if hasattr(config, "unsloth_version") else []
+    extra += ["hf_jobs"] if "JOB_ID" in os.environ else []
+    extra += [f"trackio:{trackio_url}"] if trackio_url else []
+    return out + [t for t in extra if t not in out]
+
+
+_HUB_CACHE_FOLDER = re.compile(r"models--([^/\\]+?)--([^/\\]+)[/\\]snapshots[/\\]")
+
+
+def base_model_of(name_or_path: str | None) -> tuple[str | None, str | None]:
+    """(the card's `base_model`, a note on it) for the model a run started from: a Hub id as it is; a local folder
+    built by `trl_ppo_variants.smollm2` -> its Hub model (with a note: the weights are its Q4_1 GGUF, dequantised);
+    a folder of the Hub cache (`.../models--org--name/snapshots/<rev>`) -> `org/name`; any other folder -> None."""
+    if not name_or_path:
+        return None, None
+    if not os.path.isdir(name_or_path):
+        return name_or_path, None
+    from . import smollm2
+
+    if os.path.isfile(os.path.join(name_or_path, smollm2.MARKER)):
+        return smollm2.HUB_ID, (f"The starting weights are `{smollm2.GGUF_FILE}` of the `{smollm2.GGUF_DISTRIBUTION}` "
+                                "package dequantised to float32: close to, not equal to, the Hub release.")
+    match = _HUB_CACHE_FOLDER.search(os.path.abspath(name_or_path) + os.sep)
+    if match:
+        return f"{match.group(1)}/{match.group(2)}", None
+    return None, None
+
+
 def _framework_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -346,11 +416,17 @@ def create_model_card(trainer, model_name: str | None = None, dataset_name: str 
     model = trainer.model
     config = getattr(model, "config", None)
     name_or_path = get_config_model_id(config) if config is not None else None
-    # TRL's rule: a Hub id is a base model worth linking, a local directory is not
-    base_model = name_or_path if name_or_path and not os.path.isdir(name_or_path) else None
+    # a Hub id, or a local folder whose Hub origin is known (TRL links Hub ids only); `model_card_base_model` (the
+    # command line's `base_model`) names the origin of any other local folder
+    base_model, base_model_note = base_model_of(name_or_path)
+    explicit = getattr(trainer, "model_card_base_model", None)
+    if explicit:
+        base_model, base_model_note = explicit, None
     if isinstance(tags, str):
         tags = [tags]
     tags = list(tags or []) + [t for t in getattr(trainer, "_tag_names", []) if t not in (tags or [])]
+    urls = tracker_run_urls()
+    tags = card_tags(trainer, tags, urls.get("trackio"))
     dataset_name = dataset_name or getattr(trainer, "model_card_dataset_name", None)
     algorithm = algorithm_of(trainer)
     paper = None
@@ -377,6 +453,8 @@ def create_model_card(trainer, model_name: str | None = None, dataset_name: str 
         tags=tags,
         paper=paper,
         value_model_dir=value_model_dir,
+        tracker_urls=urls,
+        base_model_note=base_model_note,
     )
     os.makedirs(trainer.args.output_dir, exist_ok=True)
     path = os.path.join(trainer.args.output_dir, "README.md")

@@ -23,6 +23,7 @@ import atexit
 import functools
 import importlib
 import importlib.util
+import inspect
 import multiprocessing
 import re
 import threading
@@ -534,6 +535,30 @@ class overlong_reward:  # noqa: N801 - a factory used like a function, picklable
 
 
 # ---------------------------------------------------------------------------------------------------- reward functions
+#: arguments TRL passes to every reward function that are not dataset columns
+TRL_REWARD_ARGS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                   "environments", "environment", "tools"}
+
+
+def required_columns(func) -> list[str]:
+    """Dataset columns a reward function needs: its `required_columns` attribute when it has one, else the
+    parameters without a default that TRL does not supply itself (TRL passes every other column as a keyword). A
+    reward that needs a column reads supervision from the dataset (TTRL refuses such rewards by default)."""
+    explicit = getattr(func, "required_columns", None)
+    if explicit is not None:
+        return list(explicit)
+    column = getattr(func, "column", None)  # `make_math_accuracy(column=...)` reads its truth from **kwargs
+    if isinstance(column, str):
+        return [column]
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+            and p.name not in TRL_REWARD_ARGS]
+
+
 class make_math_accuracy:  # noqa: N801 - a factory used like a function, picklable
     """Reward-function factory: 1.0 when the extracted answer is equivalent to the dataset column `column`, 0.0
     when not (or when nothing is extractable), None (unscorable) where the ground truth is missing."""

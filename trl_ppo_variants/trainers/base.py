@@ -136,6 +136,14 @@ class VariantConfig(GRPOConfig):
             padded row's positions from its first token, TRL's forwards, the reference's included, from the first
             column; sampling with the latter would change the distribution). vLLM's are its processed log-probs,
             renormalised after top-k/top-p when those are set. Without a KL in the reward it changes nothing.
+        max_unscorable_batches (`int` or `None`, *optional*, defaults to `5`):
+            Stop training with a one-line error after this many consecutive generation batches (the
+            `generation_batch_size` completions of a rollout, gathered over all processes; each of DAPO's generation
+            rounds counts as one) in which not one completion got a finite reward: every reward function returned
+            `None` or NaN for all of them, so every advantage is 0 and nothing can be learned (a broken reward
+            function or a dataset column it cannot read). A run that ends with every batch unscorable fails too.
+            Batches with some scorable completions reset the count and train as usual (the unscorable rows get
+            advantage 0; `rewards/<name>/non_finite` counts them). `None` disables the check.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -160,6 +168,12 @@ class VariantConfig(GRPOConfig):
         default="optimizer_step",
         metadata={"help": "Token-level losses: divide each optimizer step by its own loss tokens ('optimizer_step', "
                           "DAPO Eq. 12) or by the generation batch's average per step ('generation_batch', TRL's)."},
+    )
+
+    max_unscorable_batches: int | None = field(
+        default=5,
+        metadata={"help": "Stop with an error after this many consecutive generation batches in which no completion "
+                          "got a finite reward from any reward function (None: never)."},
     )
 
     sampling_logps_source: str = field(
@@ -214,6 +228,9 @@ class VariantConfig(GRPOConfig):
         self._check_dual_clip()
         check(self.token_level_normalizer in TOKEN_LEVEL_NORMALIZERS, "token_level_normalizer",
               f"one of {TOKEN_LEVEL_NORMALIZERS}", self.token_level_normalizer)
+        check(self.max_unscorable_batches is None or isinstance(self.max_unscorable_batches, int)
+              and not isinstance(self.max_unscorable_batches, bool) and self.max_unscorable_batches >= 1,
+              "max_unscorable_batches", "an integer >= 1 or None", self.max_unscorable_batches)
         one = self.num_generations == 1
         if one:
             self.num_generations = _GroupOfOne(1)
@@ -262,6 +279,9 @@ class VariantTrainer(GRPOTrainer):
         self.advantage_rewards_per_func = None
         self._counted_buffer = None
         self._step_counts = None
+        #: completions and generation batches of this run's training, and how many had no finite reward
+        self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "completions": 0,
+                              "unscorable_completions": 0}
         # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
         # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
         # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
@@ -343,7 +363,50 @@ class VariantTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # True must skip a checkpoint left half-written by a killed run (transformers picks the highest number)
         resume_from_checkpoint = checkpointing.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        tally = self.scoring_tally
+        if (self.args.max_unscorable_batches is not None and tally["batches"]
+                and tally["unscorable_batches"] == tally["batches"]):
+            raise RuntimeError(self._unscorable_message(f"any of the run's {tally['batches']} generation batches"))
+        return output
+
+    # -------------------------------------------------------------------------------------------- unscorable rewards
+    def track_scorable(self, rewards_per_func: torch.Tensor) -> None:
+        """Count a training generation batch's completions that no reward function scored (every entry of their row
+        NaN: advantage 0, nothing learned from them) into `scoring_tally`; after `max_unscorable_batches`
+        consecutive batches without one scored completion, stop with a one-line error. `rewards_per_func` is the
+        gathered (N, F) table, the same on every process, so every process stops at the same batch."""
+        if not self.model.training:
+            return
+        columns = self.scorable_columns()
+        if columns:
+            rewards_per_func = rewards_per_func[:, columns]
+        total = int(rewards_per_func.shape[0])
+        unscored = int(torch.isnan(rewards_per_func).all(dim=1).sum()) if total else 0
+        tally = self.scoring_tally
+        tally["batches"] += 1
+        tally["completions"] += total
+        tally["unscorable_completions"] += unscored
+        if unscored < total or total == 0:
+            tally["consecutive"] = 0
+            return
+        tally["unscorable_batches"] += 1
+        tally["consecutive"] += 1
+        limit = self.args.max_unscorable_batches
+        if limit is not None and tally["consecutive"] >= limit:
+            raise RuntimeError(self._unscorable_message(f"{tally['consecutive']} consecutive generation batches"))
+
+    def scorable_columns(self) -> list[int] | None:
+        """The reward columns whose finite values make a completion scorable (None: all); a trainer's own shaping
+        term, which scores every completion alike, is left out (DAPO's overlong penalty)."""
+        return None
+
+    def _unscorable_message(self, where: str) -> str:
+        names = ", ".join(f"'{n}'" for n in self.reward_func_names)
+        return (f"no completion got a finite reward in {where} (up to global step {self.state.global_step}): "
+                f"the reward functions ({names}) returned None or NaN for every completion, so nothing was learned; "
+                "check them and the dataset columns they read (max_unscorable_batches="
+                f"{self.args.max_unscorable_batches} set this limit, None disables it)")
 
     def select_rows(self, rewards_per_func: torch.Tensor, group_size: int, inputs: list) -> torch.Tensor | None:
         """Global row indices to keep (the same on every rank), or None to keep every row."""
@@ -426,7 +489,8 @@ class VariantTrainer(GRPOTrainer):
         guard = guards.RewardGuard(self, prompts)  # a raising/wrong-length function: one-line error on every rank
         funcs, self.reward_funcs = self.reward_funcs, guard.wrap(self.reward_funcs)
         try:
-            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+            with guard.quiet_trl_none_warning():  # TRL's "all returned None" is untrue when a function failed
+                rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         finally:
             self.reward_funcs = funcs
         guard.raise_if_failed()
@@ -652,6 +716,7 @@ class VariantTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         rewards_per_func = self._captured_rewards_per_func
+        self.track_scorable(rewards_per_func)
         num_local = output["prompt_ids"].shape[0]
         num_logged = rewards_per_func.shape[0]
 

@@ -492,6 +492,9 @@ class DAPOTrainer(VariantTrainer):
     def compute_advantages(self, rewards, batch, group_size):
         return self.grpo_group_advantages(rewards, group_size)
 
+    def scorable_columns(self):
+        return self._task_columns  # the overlong shaping scores every completion: it says nothing about the task
+
     def filter_values(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """The dynamic-sampling filter metric per row: (N, F) -> (N,), NaN where unscorable."""
         if self.args.filter_metric != "reward":
@@ -568,6 +571,7 @@ class DAPOTrainer(VariantTrainer):
         while True:
             output = GRPOTrainer._generate_and_score_completions(self, round_inputs)
             rewards_per_func = self._captured_rewards_per_func
+            self.track_scorable(rewards_per_func)  # each round is a generation batch (max_unscorable_batches)
             rows = selection.row_entries(output, output["prompt_ids"].shape[0])
             lengths = metrics.get("completions/mean_length")
             if lengths:  # TRL's count of generated tokens (also those of truncated completions it may mask)

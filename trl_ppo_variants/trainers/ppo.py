@@ -472,6 +472,8 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         # PEFT saves only the adapter: without this the critic would be lost from every checkpoint
         save_critic(critic, os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=critic_state,
                     is_main_process=self.args.should_save)
+        if self.args.should_save and self.processing_class is not None:  # so that value_model/ loads on its own
+            self.processing_class.save_pretrained(os.path.join(output_dir, VALUE_MODEL_DIR))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)

@@ -8,6 +8,7 @@ train on `n_train` of the `n_votes` completions with GRPO advantages. No ground 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,13 @@ class TTRLConfig(VariantConfig):
             k1 by default) times this coefficient is subtracted from each trained completion's reward (the vote plus
             any extra reward) before the GRPO advantage, as ReMax does. Refused with
             `multi_objective_aggregation="normalize_then_sum"`.
+        allow_labelled_rewards (`bool`, *optional*, defaults to `False`):
+            TTRL is label-free: the reward is agreement with the majority vote. Extra `reward_funcs` are added to
+            the vote's reward (weighted by `reward_weights`), so one that reads a dataset column (its arguments
+            without a default, or its `required_columns`/`column` attribute: `math_accuracy`, TRL's
+            `accuracy_reward`, ...) would train on the ground truth. Such a reward is refused at construction unless
+            this is `True` (a warning then names it). Label-free extras (`format`, `overlong`, a reward model) are
+            always accepted. A function reading a column only through `**kwargs` cannot be detected.
         multi_objective_aggregation (`str`, *optional*, defaults to `"sum_then_normalize"`):
             As in [`~trl.GRPOConfig`]; `"normalize_then_sum"` (GDPO) normalises the vote and each extra reward within
             the trained group, sums them with `reward_weights` and normalises over the batch.
@@ -79,6 +87,11 @@ class TTRLConfig(VariantConfig):
     )
     answer_equivalence: str = field(
         default="normalized", metadata={"help": "Answer equivalence: 'normalized' or 'math_verify'."}
+    )
+    allow_labelled_rewards: bool = field(
+        default=False,
+        metadata={"help": "Accept extra reward_funcs that read dataset columns (ground truth); their rewards are added "
+                          "to the vote's, so the run is no longer label-free."},
     )
 
     multi_objective_aggregations = ("sum_then_normalize", "normalize_then_sum")
@@ -155,6 +168,7 @@ class TTRLTrainer(VariantTrainer):
         # our built-in names and module:function paths; any other string stays a reward-model id for TRL
         extra = [R.get_reward_function(f) if isinstance(f, str) and (f in R.REWARD_FUNCTIONS or ":" in f) else f
                  for f in extra]
+        self._check_label_free(extra, args)
         self._vote = _MajorityVote(R.get_answer_extractor(args.answer_extractor))
         processing = kwargs.pop("reward_processing_classes", None)
         if isinstance(processing, (list, tuple)):
@@ -180,6 +194,26 @@ class TTRLTrainer(VariantTrainer):
             self._equal = lambda a, b: R.answers_equivalent(a, b, math_verify=False)
             self._merge = None
         self._vote_state = None
+
+    @staticmethod
+    def _check_label_free(extra: list, args: TTRLConfig) -> None:
+        """Extra rewards are added to the vote's: one that reads dataset columns (supervision) is refused unless
+        `allow_labelled_rewards`, and then named in a warning."""
+        labelled = {}
+        for func in extra:
+            if callable(func) and not isinstance(func, torch.nn.Module):
+                columns = R.required_columns(func)
+                if columns:
+                    labelled[getattr(func, "__name__", type(func).__name__)] = columns
+        if not labelled:
+            return
+        described = ", ".join(f"'{name}' (reads {', '.join(cols)})" for name, cols in labelled.items())
+        if not args.allow_labelled_rewards:
+            raise ValueError(f"reward_funcs: expected label-free rewards for TTRL (its reward is the majority vote), "
+                             f"got {described}, added to the vote's reward; remove them, or set "
+                             "allow_labelled_rewards=True to train on the sum (then no longer label-free)")
+        warnings.warn(f"TTRL: the rewards {described} read dataset columns (ground truth) and are added to the "
+                      "majority-vote reward (allow_labelled_rewards=True): this run is not label-free", stacklevel=3)
 
     # ------------------------------------------------------------------------------------------ the vote
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
