@@ -35,6 +35,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
 sys.path.insert(0, str(BENCH))
+sys.path.insert(1, str(ROOT))
 
 from trl_suite_plugin import TRAINERS  # noqa: E402
 
@@ -74,7 +75,9 @@ def trl_version_note() -> str:
 
 def run_trainer(key: str, workdir: Path, assets: Path, out: Path, steps: int, extra: list[str], timeout: int) -> dict:
     """One pytest run of the test file with `key`'s trainer; returns the plugin's report (plus the log's tail)."""
-    report = out / f"{key}.json"
+    runs = out / "runs"  # per trainer: the plugin's report and the pytest log (not kept in git)
+    runs.mkdir(parents=True, exist_ok=True)
+    report = runs / f"{key}.json"
     env = dict(os.environ)
     pythonpath = [str(ROOT), str(BENCH)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.update({
@@ -88,7 +91,7 @@ def run_trainer(key: str, workdir: Path, assets: Path, out: Path, steps: int, ex
     })
     cmd = [sys.executable, "-m", "pytest", TEST_FILE, "-p", "trl_suite_plugin", "-p", "no:cacheprovider", "-q",
            "-o", f"timeout={timeout}", *extra]
-    log = out / f"{key}.log"
+    log = runs / f"{key}.log"
     with open(log, "w") as handle:
         proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=handle, stderr=subprocess.STDOUT)
     if not report.exists():
@@ -156,10 +159,11 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=1, help="trainers run at the same time (default 1)")
     parser.add_argument("--timeout", type=int, default=600, help="per-test timeout in seconds (default 600)")
     parser.add_argument("--assets", type=Path, default=None,
-                        help="where the offline models and data sets are built (default: <out>/assets, reused)")
+                        help="where the offline models and data sets are built and reused (default: "
+                             "trl_suite_assets under the package's cache, ~/.cache/trl_ppo_variants)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset of the tests)")
-    parser.add_argument("--reuse", action="store_true", help="reuse <out>/<trainer>.json of an earlier run")
+    parser.add_argument("--reuse", action="store_true", help="reuse <out>/runs/<trainer>.json of an earlier run")
     args = parser.parse_args(argv)
     if args.trl is None:
         parser.error("--trl PATH (a TRL checkout or git directory) is required, or set TRL_CHECKOUT")
@@ -174,7 +178,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="trl_suite_"))
     source = export_trl(args.trl.resolve(), args.rev, workdir)
-    assets = (args.assets or out / "assets").resolve()
+    if args.assets is None:
+        from trl_ppo_variants.smollm2 import smollm2_cache_root
+
+        args.assets = Path(smollm2_cache_root()) / "trl_suite_assets"
+    assets = args.assets.resolve()
     from trl_suite_assets import build_assets
 
     build_assets(assets, workdir)
@@ -185,7 +193,7 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
 
     def one(key):
-        cached = out / f"{key}.json"
+        cached = out / "runs" / f"{key}.json"
         if args.reuse and cached.exists():
             return key, json.loads(cached.read_text())
         return key, run_trainer(key, workdir, assets, out, args.steps, extra, args.timeout)
