@@ -138,7 +138,8 @@ def summarize(results: dict[str, dict], baseline: str = "grpo") -> tuple[str, di
     base_failed = {k: v.get("cause", "") for k, v in results.get(baseline, {}).get("tests", {}).items()
                    if bucket(v["outcome"]) == "failed"}
     if base_failed:
-        text += f"\n\ntrl.GRPOTrainer itself fails {len(base_failed)} (the test file and the installed TRL differ):\n"
+        text += (f"\n\ntrl.GRPOTrainer itself fails {len(base_failed)} (tests of another TRL version than the installed "
+                 "one, or that hard-code the real Hub tokenizers' ids):\n")
         text += "\n".join(f"- `{short(k)}`: {cause}" for k, cause in sorted(base_failed.items()))
     skips = Counter(v.get("cause", "") for v in results.get(baseline, {}).get("tests", {}).values()
                     if bucket(v["outcome"]) == "skipped")
