@@ -4,8 +4,9 @@ Every `trl-internal-testing/tiny-*` model the test file names is rebuilt here fr
 model of the same architecture (hidden size 8-16, 2 layers, bf16 weights, as TRL's own tiny models), with a byte-level
 tokenizer (256 byte tokens plus the special tokens of the model's chat template) carrying the chat template TRL ships
 for that family (`trl/chat_templates/*.jinja` of the installed TRL), so that TRL's template-dependent code (tool-call
-parsing, training templates) recognises it. Vision-language models get the processor of their class, built from its
-image processor's defaults and that tokenizer with the model's image tokens.
+parsing, training templates) recognises it. Not rebuilt: the vision-language models (each needs its processor and
+image tokens) and the real models of the slow tests; the plugin reports the tests that load them as skipped. The
+stand-in tokenizer's ids are not the real ones: tests that hard-code real token ids fail for every trainer alike.
 
 The models are written in the Hugging Face cache layout (`<assets>/hub/models--org--name/snapshots/<rev>/`), so that
 with `HF_HUB_CACHE=<assets>/hub HF_HUB_OFFLINE=1` every `from_pretrained("trl-internal-testing/...")` of TRL and of the
@@ -140,7 +141,7 @@ def _causal_lm_specs() -> dict:
                                             "mamba_head_dim": 4, "n_groups": 1, "ssm_state_size": 16,
                                             "conv_kernel": 4, "expand": 2, "n_routed_experts": 4,
                                             "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                            "moe_shared_expert_intermediate_size": 32, "use_mamba_kernels": False}),
+                                            "moe_shared_expert_intermediate_size": 32}),
         "tiny-Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM", "Gemma2Config", {**_SMALL, "head_dim": 2}),
     }
 
@@ -262,6 +263,11 @@ def build_assets(assets: Path, trl_root: Path, only: list[str] | None = None, lo
     marker = assets / "BUILT"
     if only is None and marker.exists() and marker.read_text().strip() == ASSETS_VERSION:
         return assets
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()  # one line per model, not a progress bar per file
+    transformers.utils.logging.disable_progress_bar()
     hub = assets / "hub"
     hub.mkdir(parents=True, exist_ok=True)
     specs = _causal_lm_specs()
