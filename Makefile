@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ALGO ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-quick test-slow demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu clean
+.PHONY: install test test-quick test-slow demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ bench-smollm2: $(STAMP)
 # The GPU benchmark's offline path on a tiny shape, on CPU (the real run: bench/gpu.sh on one H200, see bench/README.md).
 bench-gpu-cpu: $(STAMP)
 	$(PY) bench/gpu_bench.py --tiny
+
+# TRL's own tests/test_grpo_trainer.py against every trainer (TRL=a TRL checkout or git directory; bench/README.md).
+trl-suite: $(STAMP)
+	$(PY) bench/trl_suite.py $(if $(TRL),--trl $(TRL),) --jobs 2
 
 clean:
 	rm -rf $(VENV) demo_output .pytest_cache

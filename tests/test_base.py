@@ -30,7 +30,6 @@ def assert_config_error(config_cls, tmp_path, field, **overrides):
         (RLOOConfig, "num_generations", {"num_generations": 1, "per_device_train_batch_size": 8}),
         (VariantConfig, "num_generations", {"num_generations": 1}),
         (RLOOConfig, "beta", {"beta": -0.05}),
-        (RLOOConfig, "num_generations_eval", {"num_generations_eval": 1}),
         (RLOOConfig, "kl_in_reward_coef", {"beta": 0.05, "kl_in_reward_coef": 0.2}),
         (RLOOConfig, "reward_clip_range", {"reward_clip_range": (1.0, -1.0)}),
         (VariantConfig, "beta", {"beta": -1.0}),
@@ -352,3 +351,37 @@ def test_one_step_per_generation_batch_changes_nothing(toy_model_dir, toy_datase
     assert all(torch.equal(ours[k], trl[k]) for k in trl)
     trainer.model.eval()
     assert trainer._prepare_inputs([{}])["num_items_in_batch"] == 18
+
+
+# ------------------------------------------------------------------------------------------------ TRL's constructor
+def _all_trainers():
+    import importlib
+
+    import trl_ppo_variants
+
+    names = sorted(n[: -len("Trainer")] for n in trl_ppo_variants.__all__ if n.endswith("Trainer") and n != "VariantTrainer")
+    return [(getattr(trl_ppo_variants, f"{n}Trainer"), getattr(trl_ppo_variants, f"{n}Config")) for n in names]
+
+
+@pytest.mark.parametrize("trainer_cls, config_cls", _all_trainers(), ids=lambda c: c.__name__)
+def test_constructor_takes_grpo_trainers_arguments(trainer_cls, config_cls, toy_model_dir, toy_dataset, tmp_path):
+    """Issue 20: every trainer takes `GRPOTrainer.__init__`'s arguments as TRL does: by position too, and without
+    `reward_funcs` (TRL's default None; its own "No reward source provided" when nothing else gives a reward)."""
+    import inspect
+
+    from trl import GRPOTrainer
+
+    assert inspect.signature(trainer_cls.__init__).parameters["reward_funcs"].default is None
+    args = toy_args(config_cls, tmp_path, **({"value_pretrain_steps": 0} if config_cls.__name__ == "VAPOConfig" else {}))
+    trainer = trainer_cls(toy_model_dir, addition_reward, args, toy_dataset, toy_dataset.select(range(8)))
+    assert trainer.train_dataset is toy_dataset and len(trainer.eval_dataset) == 8
+    with pytest.raises(TypeError, match="multiple values for argument 'train_dataset'"):
+        trainer_cls(toy_model_dir, addition_reward, args, toy_dataset, train_dataset=toy_dataset)
+    if trainer_cls.__name__ == "TTRLTrainer":  # label-free: the majority vote is its reward
+        assert trainer_cls(toy_model_dir, args=args, train_dataset=toy_dataset).reward_func_names[0] == "majority_vote"
+        return
+    with pytest.raises(ValueError, match="^No reward source provided|^reward_funcs|^step_reward_funcs"):
+        trainer_cls(toy_model_dir, args=args, train_dataset=toy_dataset)
+    from trl_ppo_variants.trainers.base import TRL_INIT_PARAMETERS  # what the positions are read against
+
+    assert TRL_INIT_PARAMETERS == tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]

@@ -81,23 +81,78 @@ def test_soft_overlong_punishment_three_regimes_and_boundaries():
     assert f0([[1] * n for n in [0, 4, 5]]) == [0.0, 0.0, -1.0]
 
 
-def test_overlong_shaping_is_appended_as_a_logged_reward(tmp_path, toy_model_dir, toy_dataset):
+def test_overlong_shaping_is_not_a_reward_function(tmp_path, toy_model_dir, toy_dataset):
+    """Issue 22.3: the shaping (Eq. 13) is DAPO's, not the user's: TRL's reward list, names, weights and processing
+    classes are the user's; the filter metric "reward" is the task reward; the advantages' total adds the shaping
+    (the table's last column, weight 1) and a row no reward function scored stays unscorable."""
     args = toy_args(DAPOConfig, tmp_path, max_completion_length=10, overlong_cache_length=4, reward_weights=[2.0])
     trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
-    assert trainer.reward_func_names == ["addition_reward", OVERLONG_REWARD_NAME]
-    assert trainer.reward_weights.tolist() == [2.0, 1.0]  # weight 1, added to the (weighted) task reward
-    assert args.reward_weights == [2.0]  # the user's config is left as given
-    shaped = trainer.reward_funcs[1]([[1] * 8])
-    assert shaped == [-0.5]
-    # the filter metric "reward" is the task reward without the shaping; a named metric is that function's raw value
-    rpf = torch.tensor([[1.0, -0.5], [0.0, 0.0], [float("nan"), -1.0]])
+    assert trainer.reward_func_names == ["addition_reward"]
+    assert len(trainer.reward_funcs) == 1 and len(trainer.reward_processing_classes) == 1
+    assert trainer.reward_weights.tolist() == [2.0] and args.reward_weights == [2.0]
+    assert trainer.reward_column_weights().tolist() == [2.0, 1.0]
+    # the captured table: the task reward, then the shaping
+    rpf = torch.tensor([[1.0, -0.5], [0.0, 0.0], [float("nan"), float("nan")]])
     values = trainer.filter_values(rpf)
     assert values[:2].tolist() == [2.0, 0.0] and torch.isnan(values[2])
-    assert trainer.total_rewards(rpf)[:2].tolist() == [1.5, 0.0]  # the advantage uses the shaped total
+    total = trainer.total_rewards(rpf)
+    assert total[:2].tolist() == [1.5, 0.0] and torch.isnan(total[2])
 
     args = toy_args(DAPOConfig, tmp_path, filter_metric=OVERLONG_REWARD_NAME)
-    trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
-    assert trainer.filter_values(rpf).tolist() == [-0.5, 0.0, -1.0]
+    with pytest.raises(ValueError, match=r"^filter_metric: expected 'reward' or one of \['addition_reward'\]"):
+        DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+
+
+def test_overlong_shaping_leaves_trls_reward_api_alone(tmp_path, toy_model_dir, toy_tokenizer, toy_dataset,
+                                                      monkeypatch):
+    """One reward model with one (unlisted) processing class is accepted as by trl.GRPOTrainer; the logged `reward`
+    is the user's weighted reward, the shaping is logged as `dapo/overlong_penalty` and is in the advantages; TRL's
+    "all reward functions returned None" warning fires for a row no reward function scored."""
+    from transformers import AutoModelForSequenceClassification
+    from trl.trainer import grpo_trainer
+
+    from trl_ppo_variants.toy import _toy_config
+
+    torch.manual_seed(0)
+    reward_model = AutoModelForSequenceClassification.from_config(_toy_config(toy_tokenizer, num_labels=1))
+    args = toy_args(DAPOConfig, tmp_path, max_completion_length=4, overlong_cache_length=3)
+    trainer = DAPOTrainer(toy_model_dir, reward_model, args=args, train_dataset=toy_dataset,
+                          reward_processing_classes=toy_tokenizer)
+    assert len(trainer.reward_processing_classes) == 1 and trainer.reward_processing_classes[0] is toy_tokenizer
+
+    seen = {}
+
+    def scored(completions, completion_ids, **kwargs):
+        seen.setdefault("rewards", []).extend(addition_reward(completions, **kwargs))
+        seen.setdefault("lengths", []).extend(len(ids) for ids in completion_ids)
+        return seen["rewards"][-len(completions):]
+
+    args = toy_args(DAPOConfig, tmp_path, max_steps=1, max_completion_length=4, overlong_cache_length=3,
+                    dynamic_sampling=False, reward_weights=[2.0], temperature=1.5)
+    trainer = DAPOTrainer(toy_model_dir, scored, args=args, train_dataset=toy_dataset)
+    estimate = trainer.compute_advantages
+
+    def spy(rewards, batch, group_size):
+        seen.setdefault("total", rewards.clone())
+        return estimate(rewards, batch, group_size)
+
+    trainer.compute_advantages = spy
+    trainer.train()
+    task = 2.0 * torch.tensor(seen["rewards"])
+    shaping = torch.tensor(get_soft_overlong_punishment(4, 3)(completion_ids=[[0] * n for n in seen["lengths"]]))
+    assert (shaping < 0).any()  # the run has completions the shaping lowers
+    logs = next(h for h in trainer.state.log_history if "reward" in h)
+    assert logs["reward"] == pytest.approx(task.mean().item(), abs=1e-6)
+    assert logs["dapo/overlong_penalty"] == pytest.approx(shaping.mean().item(), abs=1e-6)
+    assert torch.allclose(seen["total"], task + shaping)
+
+    warned = []
+    monkeypatch.setattr(grpo_trainer.logger, "warning", lambda msg, *a, **k: warned.append(str(msg)))
+    args = toy_args(DAPOConfig, tmp_path, max_steps=1, dynamic_sampling=False)
+    trainer = DAPOTrainer(toy_model_dir, lambda completions, **kw: [None] * len(completions), args=args,
+                          train_dataset=toy_dataset)
+    trainer.train()
+    assert any(m.startswith("All reward functions returned None") for m in warned)
 
 
 def test_trainer_level_config_errors(tmp_path, toy_model_dir, toy_dataset):

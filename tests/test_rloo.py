@@ -146,6 +146,30 @@ def reward_curve(trainer_cls, config_cls, toy_model_dir, tmp_path, **overrides):
     return logged_rewards(trainer)
 
 
+def test_evaluation_with_one_generation_per_prompt(toy_model_dir, toy_dataset, tmp_path):
+    """Issue 20: `num_generations_eval=1` works as with trl.GRPOTrainer: evaluation trains nothing, and a completion
+    without siblings has no leave-one-out baseline, so its advantage is 0 (training still needs G >= 2)."""
+    args = toy_args(RLOOConfig, tmp_path, num_generations_eval=1, per_device_eval_batch_size=4, eval_strategy="steps",
+                    eval_steps=1, max_steps=1)
+    trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset,
+                          eval_dataset=toy_dataset.select(range(8)))
+    seen = []
+    estimate = trainer.compute_advantages
+
+    def spy(rewards, batch, group_size):
+        out = estimate(rewards, batch, group_size)
+        seen.append((trainer.model.training, group_size, out.clone()))
+        return out
+
+    trainer.compute_advantages = spy
+    trainer.train()
+    evals = [advantages for training, group_size, advantages in seen if not training and group_size == 1]
+    assert evals and all(torch.equal(a, torch.zeros_like(a)) for a in evals)
+    assert any(training and group_size == 4 for training, group_size, _ in seen)
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+    assert torch.equal(trainer.compute_advantages(torch.tensor([1.0, NAN]), None, 1), torch.zeros(2))
+
+
 @pytest.mark.timeout(240)
 def test_rloo_learns(toy_model_dir, tmp_path):
     """60 steps x 32 completions, lr 1e-3: mean reward over the last 12 steps >= first 12 + 0.1 (seed 0; measured

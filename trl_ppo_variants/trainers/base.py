@@ -20,6 +20,8 @@ not copy that method (TRL deleted several of its own experimental trainers whose
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -262,15 +264,52 @@ class VariantConfig(GRPOConfig):
               self.off_policy_mask_threshold)
 
 
+#: the parameters of TRL's `GRPOTrainer.__init__` after `self`, in its order (model, reward_funcs, args,
+#: train_dataset, ..., environment_factory): every trainer takes them, by name or by position
+TRL_INIT_PARAMETERS = tuple(inspect.signature(GRPOTrainer.__init__).parameters)[1:]
+
+
+def accepts_trl_positional(init):
+    """Wrap a trainer's `__init__(self, model, reward_funcs=None, args=None, **kwargs)` so that it takes TRL's later
+    parameters by position too (`Trainer(model, rewards, args, train_dataset)`, as `GRPOTrainer` does), handing them
+    on by name: the trainers' own code (and their refusals) only ever see keywords."""
+
+    @functools.wraps(init)
+    def wrapper(self, *positional, **kwargs):
+        if len(positional) > 3:
+            names = TRL_INIT_PARAMETERS
+            if len(positional) > len(names):
+                raise TypeError(f"{type(self).__name__}() takes at most {len(names)} positional arguments "
+                                f"({len(positional)} given)")
+            for name, value in zip(names[3:], positional[3:]):
+                if name in kwargs:
+                    raise TypeError(f"{type(self).__name__}() got multiple values for argument '{name}'")
+                kwargs[name] = value
+            positional = positional[:3]
+        return init(self, *positional, **kwargs)
+
+    wrapper.accepts_trl_positional = True
+    return wrapper
+
+
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
-    Subclasses override `compute_advantages` and, when they drop rows, `select_rows`.
+    Subclasses override `compute_advantages` and, when they drop rows, `select_rows`. Every trainer's constructor takes
+    `GRPOTrainer.__init__`'s arguments with their meaning (`reward_funcs` may be None when an `environment_factory`
+    owns the reward), by name or by position (`accepts_trl_positional`, applied to every subclass's `__init__`).
     """
 
     _tag_names = ["trl", "trl-ppo-variants"]
 
-    def __init__(self, model, reward_funcs, args=None, **kwargs):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not getattr(init, "accepts_trl_positional", False):
+            cls.__init__ = accepts_trl_positional(init)
+
+    @accepts_trl_positional
+    def __init__(self, model, reward_funcs=None, args=None, **kwargs):
         self._captured_rewards_per_func = None
         self._capture_logps = False
         self._captured_logps = None
@@ -425,7 +464,8 @@ class VariantTrainer(GRPOTrainer):
             per_func = self.advantage_rewards_per_func
             if per_func is None or per_func.shape[0] != rewards.shape[0]:
                 raise RuntimeError("normalize_then_sum needs `advantage_rewards_per_func` of the same rows")
-            return normalize_then_sum_advantages(per_func, self.reward_weights.to(per_func.device), group_size)
+            return normalize_then_sum_advantages(per_func, self.reward_column_weights().to(per_func.device),
+                                                 group_size)
         return grpo_advantages(rewards, group_size, scale=self.scale_rewards)
     # -------------------------------------------------------------------------------------------- generation
     def generation_logits_processors(self) -> list:
@@ -498,9 +538,14 @@ class VariantTrainer(GRPOTrainer):
         self._captured_rewards_per_func = rewards_per_func
         return rewards_per_func
 
+    def reward_column_weights(self) -> torch.Tensor:
+        """(F,) weights of the columns of the captured reward table: TRL's `reward_weights`, one per reward function
+        (a trainer that appends a column of its own to the table, DAPO's overlong shaping, appends its weight)."""
+        return self.reward_weights
+
     def total_rewards(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """Weighted sum over reward functions, NaN where every function returned None (as TRL does). (N, F) -> (N,)."""
-        weights = self.reward_weights.to(rewards_per_func.device)
+        weights = self.reward_column_weights().to(rewards_per_func.device)
         rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
         rewards[torch.isnan(rewards_per_func).all(dim=1)] = float("nan")
         return rewards

@@ -73,8 +73,11 @@ class DAPOConfig(VariantConfig):
             the dataloader's batch only.
         overlong_penalty (`bool`, *optional*, defaults to `True`):
             Add the soft overlong punishment (Eq. 13, `trl.rewards.get_soft_overlong_punishment` with
-            `L_max = max_completion_length`) to the reward, as an extra reward function of weight 1 named
-            `soft_overlong_punishment_reward` (so it is logged like TRL's reward functions).
+            `L_max = max_completion_length`) to each completion's reward (weight 1) for its advantage. It is DAPO's
+            shaping, not one of the user's reward functions: `reward_funcs`, `reward_func_names`,
+            `reward_processing_classes`, `reward_weights` and the logged `reward` stay the user's (as with
+            `trl.GRPOTrainer`); the shaping is logged as `dapo/overlong_penalty` (its mean over the generated
+            completions) and `dapo/frac_overlong_penalized` (the share it lowers).
         overlong_cache_length (`int`, *optional*):
             `L_cache` of Eq. 13, in tokens, in `[0, max_completion_length)`. `None`: 20% of `max_completion_length`
             (rounded down), the paper's 4096 / 20480.
@@ -379,7 +382,10 @@ class DAPOTrainer(VariantTrainer):
 
     1. Clip-Higher (`epsilon=0.2`, `epsilon_high=0.28`) and the token-level loss (`loss_type="dapo"`): TRL's;
     2. overlong reward shaping (Eq. 13): `trl.rewards.get_soft_overlong_punishment(max_completion_length,
-       L_cache)` appended to the reward functions (weight 1, also when `reward_weights` is given);
+       L_cache)` added to each completion's reward for its advantage (weight 1, also when `reward_weights` is given),
+       outside TRL's reward list: it is an extra column of the reward table the advantages are computed from
+       (`_captured_rewards_per_func`), not a reward function, so every TRL reward API behaves as with
+       `trl.GRPOTrainer`, and the dynamic-sampling filter never sees it;
     3. dynamic sampling (Eq. 11): after scoring, the groups whose `filter_metric` has std <= `filter_std_eps` are
        dropped and fresh prompts (a seeded `RefillSampler` over the train data set, whose position is saved in
        checkpoints and restored on resume) are generated and scored until the batch holds
@@ -434,31 +440,22 @@ class DAPOTrainer(VariantTrainer):
     _tag_names = ["trl", "trl-ppo-variants", "dapo"]
     config_class = DAPOConfig
 
-    def __init__(self, model, reward_funcs, args: DAPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: DAPOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
-        funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         self._overlong_func = None
-        user_weights = args.reward_weights
         if args.overlong_penalty:
+            funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
             names = [getattr(f, "__name__", None) for f in funcs]
             check(OVERLONG_REWARD_NAME not in names, "overlong_penalty",
                   f"False when reward_funcs already holds {OVERLONG_REWARD_NAME}", True)
             self._overlong_func = get_soft_overlong_punishment(
                 args.max_completion_length, args.effective_overlong_cache_length)
-            funcs.append(self._overlong_func)
-            if user_weights is not None:
-                args.reward_weights = list(user_weights) + [1.0]
-            processing = kwargs.get("reward_processing_classes")
-            if isinstance(processing, (list, tuple)):
-                kwargs["reward_processing_classes"] = list(processing) + [None]
-        try:
-            super().__init__(model, funcs, args=args, **kwargs)
-        finally:
-            args.reward_weights = user_weights
+        super().__init__(model, reward_funcs, args=args, **kwargs)
 
-        self._overlong_index = next(
-            (i for i, f in enumerate(self.reward_funcs) if f is self._overlong_func), None)
-        self._task_columns = [i for i in range(len(self.reward_funcs)) if i != self._overlong_index]
+        # the reward table the advantages read is TRL's columns (the user's reward functions, then any
+        # environment-owned rewards) plus, with the shaping on, one last column: the shaping
+        self._overlong_index = len(self.reward_funcs) if self._overlong_func is not None else None
+        self._task_columns = list(range(len(self.reward_funcs)))
         if args.filter_metric == "reward":
             check(len(self._task_columns) > 0, "filter_metric",
                   "a reward function name when the only reward is the overlong shaping", args.filter_metric)
@@ -494,6 +491,29 @@ class DAPOTrainer(VariantTrainer):
 
     def scorable_columns(self):
         return self._task_columns  # the overlong shaping scores every completion: it says nothing about the task
+
+    def reward_column_weights(self) -> torch.Tensor:
+        weights = super().reward_column_weights()
+        if self._overlong_index is None:
+            return weights
+        return torch.cat([weights, torch.ones(1, dtype=weights.dtype, device=weights.device)])
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards (the user's columns, returned to TRL as they are) plus the overlong shaping as an extra
+        column of the captured table (gathered in the same global row order), NaN on the rows no reward function
+        scored: a completion without a task reward is unscorable, its shaping alone is no reward."""
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._overlong_func is None:
+            return rewards_per_func
+        local = torch.tensor(self._overlong_func(completion_ids=completion_ids_list), dtype=rewards_per_func.dtype,
+                             device=rewards_per_func.device)
+        shaping = self.accelerator.gather(local)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["dapo/overlong_penalty"].append(shaping.mean().item())
+        self._metrics[mode]["dapo/frac_overlong_penalized"].append((shaping < 0).float().mean().item())
+        shaping = torch.where(torch.isnan(rewards_per_func).all(dim=1), torch.nan, shaping)
+        self._captured_rewards_per_func = torch.cat([self._captured_rewards_per_func, shaping.unsqueeze(1)], dim=1)
+        return rewards_per_func
 
     def filter_values(self, rewards_per_func: torch.Tensor) -> torch.Tensor:
         """The dynamic-sampling filter metric per row: (N, F) -> (N,), NaN where unscorable."""

@@ -185,7 +185,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
     #: the logged name of the warm-up flag
     warmup_metric = "critic_warmup"
 
-    def __init__(self, model, reward_funcs, args: PPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: PPOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         self._exporting = False
         self._pushing = False

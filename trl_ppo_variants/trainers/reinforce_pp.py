@@ -120,7 +120,7 @@ class ReinforcePPTrainer(StepRewardsMixin, VariantTrainer):
     config_class = ReinforcePPConfig
     needs_global_batch = True
 
-    def __init__(self, model, reward_funcs, args: ReinforcePPConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: ReinforcePPConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         super().__init__(model, reward_funcs, args=args, **kwargs)
 

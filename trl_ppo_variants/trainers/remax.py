@@ -112,7 +112,7 @@ class ReMaxTrainer(VariantTrainer):
     _tag_names = ["trl", "trl-ppo-variants", "remax"]
     config_class = ReMaxConfig
 
-    def __init__(self, model, reward_funcs, args: ReMaxConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: ReMaxConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         for name in ("rollout_func", "environment_factory"):
             check(kwargs.get(name) is None, name,

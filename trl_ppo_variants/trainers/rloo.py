@@ -64,8 +64,6 @@ class RLOOConfig(VariantConfig):
     def __post_init__(self):
         # beta is the KL-in-reward coefficient here (trl.RLOOConfig); the loss gets no KL term
         check(self.beta >= 0, "beta", "a number >= 0", self.beta)
-        check(self.num_generations_eval is None or self.num_generations_eval >= 2, "num_generations_eval",
-              "None or an integer >= 2 (the leave-one-out baseline needs siblings)", self.num_generations_eval)
         check(self.kl_in_reward_coef in (0.0, self.beta), "kl_in_reward_coef",
               f"unset (RLOO's KL-in-reward coefficient is `beta`, here {self.beta}, as in trl.RLOOConfig)",
               self.kl_in_reward_coef)
@@ -84,7 +82,7 @@ class RLOOTrainer(VariantTrainer):
     _tag_names = ["trl", "trl-ppo-variants", "rloo"]
     config_class = RLOOConfig
 
-    def __init__(self, model, reward_funcs, args: RLOOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         beta = args.beta
         args.kl_in_reward_coef = beta  # follows `beta` even if it was changed after the config was built
@@ -100,6 +98,10 @@ class RLOOTrainer(VariantTrainer):
             rewards = rewards.clamp(min=lo, max=hi)
         if batch is not None and "kl_in_reward" in batch:
             rewards = rewards - self.kl_in_reward_coef * batch["kl_in_reward"].sum(dim=1)
+        if group_size == 1:
+            # evaluation with `num_generations_eval=1` (training needs >= 2): a completion without siblings has no
+            # leave-one-out baseline, so no advantage, as a lone scorable row of a group (GRPO's is 0 there too)
+            return torch.zeros_like(rewards)
         advantages = rloo_advantages(rewards, group_size)
         if self.args.normalize_advantages:
             # statistics over the rows that have a leave-one-out baseline, as trl.RLOOTrainer (its other rows are NaN)

@@ -157,7 +157,7 @@ class VAPOTrainer(PPOTrainer):
     config_class = VAPOConfig
     warmup_metric = "value_pretraining"
 
-    def __init__(self, model, reward_funcs, args: VAPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: VAPOConfig | None = None, **kwargs):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         name = self.args.positive_reward_func
         if name is not None and name not in self.reward_func_names:

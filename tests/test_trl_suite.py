@@ -1,0 +1,86 @@
+"""The TRL-suite harness (`bench/trl_suite.py`) without a TRL checkout: its table on hand-made results, the offline
+tokenizers it builds, and its pytest plugin on a stand-in test file (the real run needs TRL's repository: see the
+README's drop-in section)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import trl_suite  # noqa: E402
+import trl_suite_assets  # noqa: E402
+
+
+def test_table_counts_and_lists_only_what_the_baseline_passes():
+    results = {
+        "grpo": {"tests": {"t::a": {"outcome": "passed"}, "t::b": {"outcome": "failed", "cause": "E: old test"},
+                           "t::c": {"outcome": "skipped", "cause": "test requires vllm"},
+                           "t::d": {"outcome": "passed"}}},
+        "rloo": {"tests": {"t::a": {"outcome": "failed", "cause": "ValueError: num_generations_eval"},
+                           "t::b": {"outcome": "failed", "cause": "E: old test"},
+                           "t::c": {"outcome": "skipped", "cause": "test requires vllm"},
+                           "t::d": {"outcome": "error (setup)", "cause": "OSError: x"}}},
+    }
+    text, regressions = trl_suite.summarize(results)
+    assert "| trl.GRPOTrainer | 2 | 1 | 1 | (baseline) |" in text
+    assert "| rloo | 0 | 3 | 1 | 2 |" in text
+    assert regressions["rloo"] == {"t::a": "ValueError: num_generations_eval", "t::d": "OSError: x"}
+    assert "- `a`: ValueError: num_generations_eval" in text
+    assert "1 x test requires vllm" in text
+
+
+def test_offline_tokenizer_carries_the_familys_template_and_tokens():
+    tok = trl_suite_assets.build_tokenizer("qwen3")
+    assert tok.eos_token == "<|im_end|>" and len(tok.encode("<|im_end|>", add_special_tokens=False)) == 1
+    assert len(tok.encode("<tool_call>", add_special_tokens=False)) == 1
+    assert "<tool_call>" not in tok.all_special_tokens  # an ordinary added token, as in Qwen's tokenizer
+    text = "Beautiful is better than ugly. ü ∑ 😀"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith("<|im_start|>user\nhi<|im_end|>") and rendered.rstrip().endswith("assistant")
+
+
+STAND_IN = '''
+import pytest
+from trl import GRPOConfig, GRPOTrainer
+
+
+def test_rebound():
+    assert GRPOTrainer.__name__ == "RLOOTrainer" and GRPOConfig.__name__ == "RLOOConfig"
+
+
+def test_run_length_is_capped(tmp_path):
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True).max_steps == 6
+    assert GRPOConfig(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2).max_steps == 2
+
+
+def test_cause_is_one_line():
+    raise ValueError("first line\\nsecond line")
+
+
+@pytest.mark.skip(reason="test requires vllm")
+def test_skipped():
+    pass
+'''
+
+
+@pytest.mark.slow  # a pytest subprocess that imports TRL (about 20 s)
+def test_plugin_rebinds_the_trainer_and_reports_each_test(tmp_path):
+    work = tmp_path / "trl"
+    (work / "tests").mkdir(parents=True)
+    (work / "tests" / "__init__.py").write_text("")
+    (work / "tests" / "test_grpo_trainer.py").write_text(STAND_IN)
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "assets" / "hub").mkdir(parents=True)
+    report = trl_suite.run_trainer("rloo", work, tmp_path / "assets", out, 6, [], 120)
+    tests = {k.split("::")[-1]: v for k, v in report["tests"].items()}
+    assert tests["test_rebound"]["outcome"] == "passed"
+    assert tests["test_run_length_is_capped"]["outcome"] == "passed"
+    assert tests["test_cause_is_one_line"] == {"outcome": "failed", "cause": "ValueError: first line"}
+    assert tests["test_skipped"] == {"outcome": "skipped", "cause": "test requires vllm"}
+    assert json.loads((out / "runs" / "rloo.json").read_text())["trainer"] == "rloo"
