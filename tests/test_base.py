@@ -372,7 +372,9 @@ def test_constructor_takes_grpo_trainers_arguments(trainer_cls, config_cls, toy_
     from trl import GRPOTrainer
 
     assert inspect.signature(trainer_cls.__init__).parameters["reward_funcs"].default is None
-    args = toy_args(config_cls, tmp_path, **({"value_pretrain_steps": 0} if config_cls.__name__ == "VAPOConfig" else {}))
+    extra = {"VAPOConfig": {"value_pretrain_steps": 0},
+             "TTRLConfig": {"allow_labelled_rewards": True}}.get(config_cls.__name__, {})  # TTRL: a labelled reward
+    args = toy_args(config_cls, tmp_path, **extra)
     trainer = trainer_cls(toy_model_dir, addition_reward, args, toy_dataset, toy_dataset.select(range(8)))
     assert trainer.train_dataset is toy_dataset and len(trainer.eval_dataset) == 8
     with pytest.raises(TypeError, match="multiple values for argument 'train_dataset'"):

@@ -148,7 +148,8 @@ def test_overlong_shaping_leaves_trls_reward_api_alone(tmp_path, toy_model_dir, 
 
     warned = []
     monkeypatch.setattr(grpo_trainer.logger, "warning", lambda msg, *a, **k: warned.append(str(msg)))
-    args = toy_args(DAPOConfig, tmp_path, max_steps=1, dynamic_sampling=False)
+    # max_unscorable_batches=None: a run that scores nothing would otherwise fail at its end (issue 20)
+    args = toy_args(DAPOConfig, tmp_path, max_steps=1, dynamic_sampling=False, max_unscorable_batches=None)
     trainer = DAPOTrainer(toy_model_dir, lambda completions, **kw: [None] * len(completions), args=args,
                           train_dataset=toy_dataset)
     trainer.train()
