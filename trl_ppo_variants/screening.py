@@ -503,13 +503,13 @@ class PromptSelection:
         step = {"rng": torch.Generator().manual_seed(int(args.seed) * 1_000_003 + int(t.state.global_step)),
                 "skipped": 0, "had_history": False, "easy": 0, "hard": 0}
         rows_of = {}  # key -> data-set row of every prompt started this step
-        new_prompts = refill_prompts = 0
+        refill_prompts = 0
         generated_tokens = 0.0
-        first_round = max(target, self.round_prompts(target))
+        # every process sizes the first round from the same estimate, hence identically; its rows must split evenly
+        first_round = plan_round(max(target, self.round_prompts(target)), 0, self.screen_size, G, world)[0]
         seen = None
         while True:
             if acc.rounds == 0:
-                new_prompts = first_round
                 if not (self.speed or self.greso) and first_round == target:
                     # the dataloader's batch as TRL laid it out: whole groups, nothing gathered
                     round_inputs, segments, screen, complete = inputs, None, [], []
@@ -572,14 +572,9 @@ class PromptSelection:
         for key, outcome in result.outcomes:
             step["easy"] += outcome == "easy"
             step["hard"] += outcome == "hard"
-            if self.greso:
-                hkey = row_key(rows_of[key]) if key in rows_of else None
-                if hkey is not None:
-                    streak = next_streak(self.history.get(hkey, 0), outcome)
-                    if streak:
-                        self.history[hkey] = streak
-                    else:  # an informative prompt keeps a short entry: it has a history (for the adaptation)
-                        self.history[hkey] = 0
+            if self.greso and key in rows_of:  # (an informative prompt keeps its entry, at 0: it has a history)
+                hkey = row_key(rows_of[key])
+                self.history[hkey] = next_streak(self.history.get(hkey, 0), outcome)
 
     def _finish(self, acc, generated_tokens, step, rate_used, first_round, refill_prompts, pad_id) -> dict:
         t, args = self.trainer, self.trainer.args
