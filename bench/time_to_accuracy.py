@@ -2,8 +2,9 @@
 steps, with the held-out evaluation kept off the clock.
 
     python bench/time_to_accuracy.py                       # every method, the demo's settings (~2 h on 2 cores)
-    python bench/time_to_accuracy.py --methods grpo,grpo_speed --grpo-steps 3 --eval-points 2 --eval-prompts 4
-                                                           # a short check (a few minutes)
+    python bench/time_to_accuracy.py --num-generations 16  # the same with groups of 16 (SPEED screens 4 of them)
+    python bench/time_to_accuracy.py --methods grpo,grpo_speed --grpo-steps 2 --eval-points 1 --eval-prompts 4 \
+        --eval-samples 1                                   # a short check (~4 min on a quiet 2-core machine)
 
 Protocol (SmolLM2-135M-Instruct on the demo's word problems, the demo's settings: 16 completions a step in groups of
 G = 4, 24 new tokens, temperature 0.7, lr 3e-5, fp32 on the CPU; held-out accuracy: 32 questions x 4 samples at the
@@ -119,8 +120,10 @@ class Task:
     describe: str = ""
 
 
-def smollm2_task(seed: int, eval_prompts: int, eval_samples: int, train_size: int = 2048) -> Task:
-    """The demo's task and settings (`trl_ppo_variants.demo.COMMON`): SmolLM2-135M-Instruct on word problems."""
+def smollm2_task(seed: int, eval_prompts: int, eval_samples: int, train_size: int = 2048,
+                 num_generations: int | None = None) -> Task:
+    """The demo's task and settings (`trl_ppo_variants.demo.COMMON`): SmolLM2-135M-Instruct on word problems.
+    `num_generations` other than the demo's 4 keeps its 4 prompts a step (the batch grows with the group)."""
     from trl_ppo_variants.demo import COMMON, TRAIN_SEED_OFFSET
     from trl_ppo_variants.smollm2 import (
         heldout_accuracy,
@@ -131,6 +134,9 @@ def smollm2_task(seed: int, eval_prompts: int, eval_samples: int, train_size: in
 
     heldout = word_problem_dataset(eval_prompts, seed=seed, split="test")
     common = dict(COMMON)
+    if num_generations is not None:
+        prompts = common["per_device_train_batch_size"] // common["num_generations"]
+        common.update(num_generations=num_generations, per_device_train_batch_size=prompts * num_generations)
 
     def evaluate(model, tokenizer):
         return heldout_accuracy(model, tokenizer, heldout["prompt"], heldout["answer"], samples=eval_samples,
@@ -369,6 +375,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("--max-steps-factor", type=float, default=3.0,
                         help="a method stops at this many times the reference's steps even within the budget")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="group size G (default the demo's 4; the batch stays 4 prompts a step): SPEED's own "
+                             "runs screen 4 of 16-24")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=DEFAULT_OUT)
     opts = parser.parse_args(argv)
@@ -386,7 +395,7 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(os.cpu_count() or 1)  # a real model: every core (the demo does the same)
-    task = smollm2_task(opts.seed, opts.eval_prompts, opts.eval_samples)
+    task = smollm2_task(opts.seed, opts.eval_prompts, opts.eval_samples, num_generations=opts.num_generations)
     result = run_benchmark(task, methods, grpo_steps=opts.grpo_steps, eval_points=opts.eval_points, seed=opts.seed,
                            out=opts.out, max_steps_factor=opts.max_steps_factor,
                            progress=lambda s: print(s, flush=True))

@@ -85,6 +85,15 @@ def test_every_method_builds_its_config_with_the_demos_settings(tmp_path, name):
         assert args.selection_mode() == mode
 
 
+def test_a_larger_group_keeps_four_prompts_a_step(monkeypatch):
+    import trl_ppo_variants.smollm2 as smollm2
+
+    monkeypatch.setattr(smollm2, "smollm2_checkpoint", lambda: "unused")
+    assert tta.smollm2_task(0, 2, 1, train_size=4).common["per_device_train_batch_size"] == 16
+    task = tta.smollm2_task(0, 2, 1, train_size=4, num_generations=16)
+    assert (task.common["num_generations"], task.common["per_device_train_batch_size"]) == (16, 64)
+
+
 def test_the_protocol_end_to_end_on_the_toy_model(tmp_path, toy_model_dir):
     """The reference trains 2 steps (its time is the budget), GRPO + SPEED trains until its clock passes it; the JSON,
     the table and the plot are written; the curves start at the shared accuracy before training."""
