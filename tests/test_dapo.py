@@ -18,6 +18,7 @@ from trl import GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 from trl.trainer.utils import RepeatSampler
 
+from trl_ppo_variants.screening import PromptSelection
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.dapo import (
     OVERLONG_REWARD_NAME,
@@ -163,14 +164,8 @@ def test_trainer_level_config_errors(tmp_path, toy_model_dir, toy_dataset):
     with pytest.raises(ValueError, match=r"^overlong_penalty: expected False"):
         DAPOTrainer(toy_model_dir, [addition_reward, get_soft_overlong_punishment(4, 0)],
                     args=toy_args(DAPOConfig, tmp_path), train_dataset=toy_dataset)
-    with pytest.raises(ValueError, match=r"^dynamic_sampling: expected False with an IterableDataset"):
-        DAPOTrainer(toy_model_dir, addition_reward, args=toy_args(DAPOConfig, tmp_path),
-                    train_dataset=toy_dataset.to_iterable_dataset())
-    class TokenLevel(DAPOTrainer):  # dynamic sampling never builds the global rollout such an estimator reads
-        needs_global_batch = True
-
-    with pytest.raises(ValueError, match=r"^dynamic_sampling: expected False for TokenLevel"):
-        TokenLevel(toy_model_dir, addition_reward, args=toy_args(DAPOConfig, tmp_path), train_dataset=toy_dataset)
+    with pytest.raises(ValueError, match=r"^dynamic_sampling: expected True with prompt_selection='speed'"):
+        toy_args(DAPOConfig, tmp_path, dynamic_sampling=False, prompt_selection="speed")
     with pytest.raises(TypeError, match="DAPOConfig"):
         from trl import GRPOConfig
 
@@ -307,12 +302,11 @@ def test_prompts_to_generate(needed, rate, prob, multiple, cap, expected):
         assert n - multiple < needed or binomial_at_least(needed, n - multiple, rate) < 1 - prob
 
 
-def _sizing_trainer(world=1, G=4, target=4, factor=2.0, state=(0.0, 0.0), init=1.0):
+def _sizing_selection(world=1, G=4, target=4, factor=2.0, state=(0.0, 0.0), init=1.0):
     args = SimpleNamespace(generation_batch_size=target * G, max_oversample_factor=factor, shortfall_probability=0.2,
                            keep_rate_init=init)
-    return SimpleNamespace(args=args, num_generations=G, _prompt_multiple=world // math.gcd(G, world),
-                           _keep_rate_state=state,
-                           keep_rate=keep_rate_estimate(state, init))
+    return SimpleNamespace(trainer=SimpleNamespace(args=args, num_generations=G),
+                           prompt_multiple=world // math.gcd(G, world), keep_rate=keep_rate_estimate(state, init))
 
 
 @pytest.mark.parametrize("world, G, state, needed, expected", [
@@ -323,8 +317,8 @@ def _sizing_trainer(world=1, G=4, target=4, factor=2.0, state=(0.0, 0.0), init=1
     (1, 4, (0.1, 1.0), 4, 8),  # keep rate 0.1: capped at max_oversample_factor x 4 prompts
 ])
 def test_round_prompts_from_the_estimate(world, G, state, needed, expected):
-    fake = _sizing_trainer(world=world, G=G, state=state)
-    count = DAPOTrainer._round_prompts(fake, needed)
+    fake = _sizing_selection(world=world, G=G, state=state)
+    count = PromptSelection.round_prompts(fake, needed)
     assert count == expected and count * G % world == 0
 
 
@@ -362,23 +356,22 @@ def test_refill_rows_follow_the_repeat_sampler_layout():
     source = [{"prompt": f"q{i}"} for i in range(10)]
     shares = []
     for rank in range(2):
-        fake = SimpleNamespace(num_generations=2, accelerator=SimpleNamespace(num_processes=2, process_index=rank),
-                               _refill_source=lambda: source)
-        shares.append([r["prompt"] for r in DAPOTrainer._refill_rows(fake, [7, 3, 5])])
+        shares.append([r["prompt"] for r in _layout(2, rank, [(k, source[i]) for k, i in enumerate([7, 3, 5])])[0]])
     assert shares == [["q7", "q7", "q3"], ["q3", "q5", "q5"]]
 
 
 def test_over_sampled_first_round_follows_the_repeat_sampler_layout():
     """First round: the dataloader's batch of every process (12 rows, G = 4, 6 per process: group b spans the two
     processes), then one refill prompt G times; 16 rows split 8 + 8, every group contiguous."""
-    source = [{"prompt": f"q{i}"} for i in range(10)]
-    head = [{"prompt": p} for p in "aaaabbbbcccc"]
-    shares = []
-    for rank in range(2):
-        fake = SimpleNamespace(num_generations=4, accelerator=SimpleNamespace(num_processes=2, process_index=rank),
-                               _refill_source=lambda: source)
-        shares.append([r["prompt"] for r in DAPOTrainer._refill_rows(fake, [7], head=head)])
+    heads = [{"prompt": p} for p in "abc"] + [{"prompt": "q7"}]  # the dataloader's prompts, then a refill
+    shares = [[r["prompt"] for r in _layout(4, rank, list(enumerate(heads)))[0]] for rank in range(2)]
     assert shares == [list("aaaabbbb"), list("cccc") + ["q7"] * 4]
+
+
+def _layout(G, rank, screen, complete=(), screen_size=None, world=2):
+    fake = SimpleNamespace(trainer=SimpleNamespace(num_generations=G, accelerator=SimpleNamespace(
+        num_processes=world, process_index=rank)), speed=screen_size is not None, screen_size=screen_size or G)
+    return PromptSelection._layout(fake, list(screen), list(complete))
 
 
 # ------------------------------------------------------------------------------------------------ end to end, 1 process
@@ -475,7 +468,7 @@ def test_first_round_is_over_sampled_from_the_estimate(tmp_path, toy_model_dir, 
     assert not set(extra) & {r["prompt"] for r in batches[0]}  # fresh prompts
     log = next(h for h in trainer.state.log_history if "dapo/first_round_prompts" in h)
     assert log["dapo/first_round_prompts"] == 8 and log["dapo/keep_rate_estimate"] == 0.5
-    assert trainer._refill_sampler.state_dict()["offset"] >= 4  # drawn from the refill sampler
+    assert trainer.prompt_selection.source.state_dict()["offset"] >= 4  # drawn from the refill sampler
 
 
 def test_refills_are_sized_to_the_shortfall(tmp_path, toy_model_dir, toy_dataset, monkeypatch):
@@ -484,18 +477,19 @@ def test_refills_are_sized_to_the_shortfall(tmp_path, toy_model_dir, toy_dataset
     args = toy_args(DAPOConfig, tmp_path, per_device_train_batch_size=16, max_steps=4)
     trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
     sized, draws = [], []
-    original_size, original_draw = trainer._round_prompts, trainer._refill_sampler.draw
+    selection = trainer.prompt_selection
+    original_size, original_draw = selection.round_prompts, selection.source.sampler.draw
 
     def size(needed):
         count = original_size(needed)
-        sized.append((needed, trainer.keep_rate, count))
+        sized.append((needed, selection.keep_rate, count))
         return count
 
     def draw(k, **kw):
         draws.append(k)
         return original_draw(k, **kw)
 
-    trainer._round_prompts, trainer._refill_sampler.draw = size, draw
+    selection.round_prompts, selection.source.sampler.draw = size, draw
     rounds = _round_inputs(monkeypatch)
     trainer.train()
     for needed, rate, count in sized:
@@ -505,7 +499,7 @@ def test_refills_are_sized_to_the_shortfall(tmp_path, toy_model_dir, toy_dataset
     # one sizing per round, in order: a first round holds at least the dataloader's 4 prompts
     assert [len(r) // 4 for r in rounds] == [max(c, 4) if n == 4 else c for n, _, c in sized]
     assert sum(draws) == sum(len(r) for r in rounds) // 4 - 4 * 4  # every extra prompt came from the sampler
-    assert 0 < trainer.keep_rate < 1  # the toy task has groups without a spread
+    assert 0 < selection.keep_rate < 1  # the toy task has groups without a spread
 
 
 def test_exhaustion_with_a_constant_reward_trains_nothing_and_warns_once(tmp_path, toy_model_dir, toy_dataset):
@@ -555,6 +549,20 @@ def test_exhaustion_with_a_mostly_constant_reward_finishes(tmp_path, toy_model_d
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in logs)
 
 
+def test_dynamic_sampling_on_an_iterable_dataset_refills_from_the_stream(tmp_path, toy_model_dir, toy_dataset):
+    """Issue 22 item 5: DAPO's default dynamic sampling on an `IterableDataset` (TRL streams it) trains, refilling
+    from the next records of the stream (it used to refuse: "refills need indexing")."""
+    args = toy_args(DAPOConfig, tmp_path, max_steps=3, max_generation_rounds=6)
+    trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset.to_iterable_dataset())
+    captured = _capture(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "dapo/rounds" in h]
+    assert len(logs) == 3 and any(h["dapo/rounds"] > 1 for h in logs)  # refills happened
+    for batch, h in zip(captured, logs):
+        assert batch["completion_ids"].shape[0] == 4 * (h["dapo/groups_kept"] + h["dapo/padded_groups"]) == 8
+        assert torch.isfinite(batch["advantages"]).all()
+
+
 def test_checkpoint_keeps_the_refill_position(tmp_path, toy_model_dir, toy_dataset):
     """An uninterrupted run and a run resumed from its step-1 checkpoint end at the same refill position."""
     common = dict(max_steps=3, max_generation_rounds=4, save_strategy="steps", save_steps=1)
@@ -563,34 +571,36 @@ def test_checkpoint_keeps_the_refill_position(tmp_path, toy_model_dir, toy_datas
     full.train()
     ckpt = tmp_path / "a" / "out" / "checkpoint-1"
     # the position travels in the base class's per-process checkpoint state (written before the completion marker)
-    saved = torch.load(ckpt / "variant_state_rank0.pt", weights_only=False)["extra"]["dapo_refill_sampler"]
+    state = torch.load(ckpt / "variant_state_rank0.pt", weights_only=False)["extra"]["prompt_selection"]
+    saved = state["source"]
     assert saved["offset"] > 0 or saved["epoch"] > 0  # step 1 refilled (checked: the toy data has no-spread groups)
     resumed = DAPOTrainer(toy_model_dir, addition_reward, args=toy_args(DAPOConfig, tmp_path / "a", **common),
                           train_dataset=toy_dataset)
     positions = []
-    original = resumed._refill_sampler.draw
+    sel = resumed.prompt_selection
+    original = sel.source.sampler.draw
 
     def spy(*a, **kw):
-        positions.append(resumed._refill_sampler.state_dict())
+        positions.append(sel.source.state_dict())
         return original(*a, **kw)
 
-    resumed._refill_sampler.draw = spy
-    saved_rate = torch.load(ckpt / "variant_state_rank0.pt", weights_only=False)["extra"]["dapo_keep_rate"]
+    sel.source.sampler.draw = spy
+    saved_rate = state["keep_rate"]
     assert saved_rate[1] > 0  # the keep-rate estimator's state travels with it
     rates = []
-    original_size = resumed._round_prompts
+    original_size = sel.round_prompts
 
     def size(needed):
-        rates.append(resumed._keep_rate_state)
+        rates.append(sel.keep_rate_state)
         return original_size(needed)
 
-    resumed._round_prompts = size
+    sel.round_prompts = size
     resumed.train(resume_from_checkpoint=str(ckpt))
     if positions:  # the first refill after resuming starts where the checkpoint left off
         assert (positions[0]["epoch"], positions[0]["offset"]) == (saved["epoch"], saved["offset"])
     assert list(rates[0]) == saved_rate  # step 2 is sized from the checkpoint's estimate
-    assert resumed._refill_sampler.state_dict() == full._refill_sampler.state_dict()
-    assert resumed._keep_rate_state == full._keep_rate_state
+    assert sel.source.state_dict() == full.prompt_selection.source.state_dict()
+    assert sel.keep_rate_state == full.prompt_selection.keep_rate_state
 
 
 def test_without_dynamic_sampling_it_is_grpo_plus_shaping(tmp_path, toy_model_dir, toy_dataset):
@@ -598,7 +608,7 @@ def test_without_dynamic_sampling_it_is_grpo_plus_shaping(tmp_path, toy_model_di
     trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
     captured = _capture(trainer)
     trainer.train()
-    assert trainer._refill_sampler is None
+    assert trainer.prompt_selection is None
     assert captured[0]["completion_ids"].shape[0] == 8
     assert not any("dapo/rounds" in h for h in trainer.state.log_history)
 
@@ -706,3 +716,12 @@ def test_two_processes_uneven_drops_split_groups(tmp_path, toy_model_dir):
 def test_two_processes_exhaustion(tmp_path, toy_model_dir):
     out = _launch(29633, "--mode", "exhaust", "--model", toy_model_dir, "--out", str(tmp_path))
     assert "DAPO-2PROC-OK exhaust" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_two_processes_speed_screening_with_greso(tmp_path, toy_model_dir):
+    """GRPO with SPEED + GRESO on 2 processes: identical decisions on both, no hang although every screening held by
+    process 1 alone is rejected, full batches of whole groups (see tests/scripts/dapo_2proc.py --mode speed)."""
+    out = _launch(29635, "--mode", "speed", "--model", toy_model_dir, "--out", str(tmp_path))
+    assert "DAPO-2PROC-OK speed" in out

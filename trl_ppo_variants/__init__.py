@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "VariantConfig": "trainers.base",
     "VariantTrainer": "trainers.base",
+    "GRPOConfig": "trainers.grpo",
+    "GRPOTrainer": "trainers.grpo",
     "RLOOConfig": "trainers.rloo",
     "RLOOTrainer": "trainers.rloo",
     "ReMaxConfig": "trainers.remax",

@@ -438,6 +438,18 @@ class StepRewardsMixin:
         outcome[:, self._step_columns] = math.nan
         return super().total_rewards(outcome)
 
+    def selection_scores(self) -> dict:
+        """The step rewards of the round just scored, for prompt selection (`screening.PromptSelectionMixin`), which
+        hands those of the kept rows back through `use_selection_scores`."""
+        if self._step_batch is None:
+            return {}
+        step_rewards, step_ends = self._step_batch
+        return {"step_rewards": step_rewards, "step_ends": step_ends}
+
+    def use_selection_scores(self, scores: dict) -> None:
+        if "step_rewards" in scores:
+            self._step_batch = (scores["step_rewards"], scores["step_ends"])
+
     def dense_step_rewards(self, rewards: torch.Tensor, mask: torch.Tensor):
         """For token-reward estimators: `(rewards, step token rewards (N, T) or None)`. A completion with step rewards
         but no outcome reward keeps its steps: its outcome counts as 0 instead of making the row unscorable."""

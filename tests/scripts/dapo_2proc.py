@@ -13,6 +13,14 @@ Both modes: every round was sized identically on both processes (groups needed, 
   end exhausted; G = 2, steps_per_generation = 2 on 2 processes: the kept groups are rounded to a multiple of 2.
   Checks: the run finishes, every step has equal row counts, at least one step is exhausted, identical weights.
 
+--mode speed: trl_ppo_variants.GRPOTrainer with prompt_selection="speed+greso" (G = 4, screening 2 completions: a
+  round mixes 2-row screenings and 2-row completions), 3 local rows per generation batch, gradient accumulation 2;
+  the reward is constant on process 1 (every screening held there alone is rejected; a group may still span both
+  processes). Checks, besides the common ones: full batches of whole groups of one prompt with a reward spread,
+  every round's decisions (layout, accepted screenings, outcomes) identical on both processes, SPEED's screenings
+  completed in a later round of the same step, GRESO's history and exploration probabilities identical, and the run
+  does not hang.
+
 Prints "DAPO-2PROC-OK <mode>" on the main process when every check passed.
 """
 
@@ -30,9 +38,10 @@ torch.set_num_threads(1)
 
 from accelerate.utils import gather_object  # noqa: E402
 
+from trl_ppo_variants import selection  # noqa: E402
 from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers import dapo as dapo_module  # noqa: E402
 from trl_ppo_variants.trainers.dapo import DAPOConfig, DAPOTrainer  # noqa: E402
+from trl_ppo_variants.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 
 
 def zero_prompts_always_right(completions, prompts, answer, **kwargs):
@@ -45,6 +54,11 @@ def mostly_constant(completions, prompts, answer, **kwargs):
     return [r if p.startswith("0") else 0.5 for r, p in zip(real, prompts)]
 
 
+def constant_on_process_1(completions, prompts, answer, **kwargs):
+    real = addition_reward(completions, answer)
+    return [1.0] * len(real) if int(os.environ.get("RANK", "0")) == 1 else real
+
+
 def answer_of(prompt_text):
     a, b = re.match(r"(\d)\+(\d)=", prompt_text).groups()
     return str(int(a) + int(b))
@@ -52,7 +66,7 @@ def answer_of(prompt_text):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["uneven", "exhaust"], required=True)
+    parser.add_argument("--mode", choices=["uneven", "exhaust", "speed"], required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
@@ -65,6 +79,12 @@ def main():
         args = DAPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
                           num_iterations=2, max_steps=6, max_generation_rounds=8, keep_rate_init=0.6, **common)
         reward = zero_prompts_always_right
+    elif opts.mode == "speed":
+        G = 4
+        args = GRPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
+                          max_steps=6, max_generation_rounds=8, prompt_selection="speed+greso",
+                          screening_num_generations=2, **common)
+        reward = constant_on_process_1
     else:
         G = 2
         args = DAPOConfig(per_device_train_batch_size=2, num_generations=G, gradient_accumulation_steps=2,
@@ -72,16 +92,20 @@ def main():
         reward = mostly_constant
 
     # record every round's spread mask (the same global decision on both processes)
-    rounds = []
-    original_add = dapo_module.GroupAccumulator.add_round
+    rounds, decisions = [], []
+    original_add = selection.GroupAccumulator.add_round
 
-    def add_round(self, rollout, rewards_per_func, filter_values):
-        rounds.append((filter_values.shape[0], dapo_module.selection.group_spread_mask(filter_values, self.G)))
-        return original_add(self, rollout, rewards_per_func, filter_values)
+    def add_round(self, rollout, rewards_per_func, filter_values, segments=None, extras=None):
+        if all(seg.kind == "group" for seg in segments or []):  # dynamic sampling: whole groups
+            rounds.append((filter_values.shape[0], selection.group_spread_mask(filter_values, self.G)))
+        result = original_add(self, rollout, rewards_per_func, filter_values, segments, extras)
+        decisions.append((self.rounds, [tuple(s) for s in segments or []], result.accepted, result.outcomes))
+        return result
 
-    dapo_module.GroupAccumulator.add_round = add_round
+    selection.GroupAccumulator.add_round = add_round
 
-    trainer = DAPOTrainer(opts.model, reward, args=args, train_dataset=addition_dataset(256, seed=0))
+    trainer_cls = GRPOTrainer if opts.mode == "speed" else DAPOTrainer
+    trainer = trainer_cls(opts.model, reward, args=args, train_dataset=addition_dataset(256, seed=0))
     acc = trainer.accelerator
     tok = trainer.processing_class
     local_gen = args.per_device_train_batch_size * args.steps_per_generation
@@ -100,14 +124,15 @@ def main():
 
     trainer._generate_and_score_completions = wrapped
     sizing = []  # (groups needed, keep-rate estimate, prompts) of every round: the same on both processes
-    original_size = trainer._round_prompts
+    sel = trainer.prompt_selection
+    original_size = sel.round_prompts
 
     def size(needed):
         count = original_size(needed)
-        sizing.append((needed, trainer.keep_rate, count))
+        sizing.append((needed, sel.keep_rate, count))
         return count
 
-    trainer._round_prompts = size
+    sel.round_prompts = size
     trainer.train()
 
     problems = []
@@ -122,24 +147,29 @@ def main():
         for g in range(groups):
             if len(set(prompts[g * G:(g + 1) * G])) != 1:
                 problems.append(f"step {i}: group {g} mixes prompts {prompts[g * G:(g + 1) * G]}")
-        if opts.mode == "uneven":
+        if opts.mode in ("uneven", "speed"):
             if counts[0] != local_gen:
                 problems.append(f"step {i}: {counts[0]} local rows, expected the full {local_gen}")
-            rewards = torch.tensor(reward(completions, prompts, [answer_of(p) for p in prompts])).view(-1, G)
-            if not (rewards.std(dim=1) > 0).all():
-                problems.append(f"step {i}: a trained group has no reward spread: {rewards.tolist()}")
+            if opts.mode == "uneven":  # (speed: the reward depends on the process a row was scored on)
+                rewards = torch.tensor(reward(completions, prompts, [answer_of(p) for p in prompts])).view(-1, G)
+                if not (rewards.std(dim=1) > 0).all():
+                    problems.append(f"step {i}: a trained group has no reward spread: {rewards.tolist()}")
             if not (advantages.view(-1, G).abs().sum(dim=1) > 0).all():
                 problems.append(f"step {i}: a trained group has all-zero advantages")
         if not torch.isfinite(advantages).all():
             problems.append(f"step {i}: non-finite advantages")
 
-    logs = [h for h in trainer.state.log_history if "dapo/rounds" in h]
+    prefix = trainer.selection_metric_prefix
+    logs = [h for h in trainer.state.log_history if f"{prefix}/rounds" in h]
     every_sizing = gather_object([sizing])
     if every_sizing[0] != every_sizing[1]:
         problems.append(f"round sizes differ across processes: {every_sizing}")
-    states = gather_object([trainer._keep_rate_state])
+    states = gather_object([(sel.keep_rate_state, sel.history, sel.p_easy, sel.p_hard)])
     if states[0] != states[1]:
-        problems.append(f"keep-rate estimates differ across processes: {states}")
+        problems.append(f"selection states (keep rate, GRESO history, exploration) differ across processes")
+    every_decision = gather_object([decisions])
+    if every_decision[0] != every_decision[1]:
+        problems.append("round layouts or decisions differ across processes")
     if opts.mode == "uneven":
         target = args.generation_batch_size // G
         if not any(h["dapo/first_round_prompts"] > target for h in logs):  # 6 rows per process: groups split
@@ -153,6 +183,16 @@ def main():
             problems.append("no round dropped a different number of rows on the two processes")
         if not any(h["dapo/rounds"] > 1 for h in logs):
             problems.append("no refill happened")
+    elif opts.mode == "speed":
+        completed = [d for d in decisions if any(kind == "complete" for _, kind, _ in d[1])]
+        mixed = [d for d in completed if any(kind == "screen" for _, kind, _ in d[1])]
+        if not completed or not mixed:
+            problems.append(f"no round completed an accepted screening ({len(completed)}) or mixed screening and "
+                            f"completion in one generate call ({len(mixed)})")
+        if any(h[f"{prefix}/exhausted"] > 0 for h in logs):
+            problems.append("a step was exhausted")
+        if not sel.history:
+            problems.append("GRESO's history is empty")
     else:
         if not any(h["dapo/exhausted"] > 0 for h in logs):
             problems.append("no step was exhausted")
@@ -171,7 +211,7 @@ def main():
         sys.exit(1)
     if acc.is_main_process:
         print(f"DAPO-2PROC-OK {opts.mode} steps={len(steps)} rounds={len(rounds)} "
-              f"metrics={[{k: h[k] for k in h if k.startswith('dapo/')} for h in logs]}")
+              f"metrics={[{k: h[k] for k in h if k.startswith(prefix + '/')} for h in logs]}")
 
 
 if __name__ == "__main__":

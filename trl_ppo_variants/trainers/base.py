@@ -71,6 +71,8 @@ DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo", "vespo")
 TOKEN_LEVEL_NORMALIZERS = ("optimizer_step", "generation_batch")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+#: values of `VariantConfig.prompt_selection` (see `trl_ppo_variants.screening`)
+SELECTION_MODES = ("none", "dynamic_sampling", "speed", "greso", "speed+greso")
 
 
 class _GroupOfOne(int):
@@ -146,6 +148,14 @@ class VariantConfig(GRPOConfig):
             function or a dataset column it cannot read). A run that ends with every batch unscorable fails too.
             Batches with some scorable completions reset the count and train as usual (the unscorable rows get
             advantage 0; `rewards/<name>/non_finite` counts them). `None` disables the check.
+        prompt_selection (`str`, *optional*, defaults to `"none"`):
+            Choose the prompts a step trains on while generating (`trl_ppo_variants.screening`): `"dynamic_sampling"`
+            (DAPO's: generate whole groups, keep those with a reward spread, refill), `"speed"` (SPEED, arXiv
+            2506.09016: screen each new prompt with a few completions, complete only those whose screening has a
+            spread), `"greso"` (GRESO, arXiv 2506.02177: skip, before generating, prompts whose recent groups had no
+            spread; then dynamic sampling) or `"speed+greso"`. Only for the estimators that use groups (GRPO, RLOO,
+            REINFORCE++-baseline, DAPO, process GRPO; tuned by their `PromptSelectionFields`); the others refuse it
+            with the reason.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -189,6 +199,12 @@ class VariantConfig(GRPOConfig):
         },
     )
 
+    prompt_selection: str = field(
+        default="none",
+        metadata={"help": "Choose prompts while generating: 'none', 'dynamic_sampling' (DAPO), 'speed' (SPEED "
+                          "screening, arXiv 2506.09016), 'greso' (GRESO skipping, arXiv 2506.02177) or 'speed+greso'."},
+    )
+
     #: `multi_objective_aggregation` values this config's estimator gives a meaning to (GRPO-advantage configs add
     #: "normalize_then_sum")
     multi_objective_aggregations: ClassVar[tuple[str, ...]] = ("sum_then_normalize",)
@@ -196,6 +212,10 @@ class VariantConfig(GRPOConfig):
     def min_num_generations(self) -> tuple[int, str]:
         """The smallest `num_generations` this config's estimator works with, and why (for the error message)."""
         return 2, "a group baseline needs siblings"
+
+    def prompt_selection_refused(self) -> str | None:
+        """Why this config cannot select prompts (`prompt_selection`), or None when it can."""
+        return "this estimator has no group of completions whose spread could be screened"
 
     def uses_token_level_normalizer(self) -> bool:
         """Whether a term of the loss is normalised by a token count (`token_level_normalizer` applies)."""
@@ -233,6 +253,12 @@ class VariantConfig(GRPOConfig):
         check(self.max_unscorable_batches is None or isinstance(self.max_unscorable_batches, int)
               and not isinstance(self.max_unscorable_batches, bool) and self.max_unscorable_batches >= 1,
               "max_unscorable_batches", "an integer >= 1 or None", self.max_unscorable_batches)
+        check(self.prompt_selection in SELECTION_MODES, "prompt_selection", f"one of {SELECTION_MODES}",
+              self.prompt_selection)
+        if self.prompt_selection != "none":
+            refused = self.prompt_selection_refused()
+            check(refused is None, "prompt_selection", f"'none' for {type(self).__name__} ({refused})",
+                  self.prompt_selection)
         one = self.num_generations == 1
         if one:
             self.num_generations = _GroupOfOne(1)
@@ -770,12 +796,9 @@ class VariantTrainer(GRPOTrainer):
             # (`reward_std`, the std over the whole batch, stays)
             self._metrics[mode].pop("frac_reward_zero_std", None)
         keep = self.select_rows(rewards_per_func, group_size, inputs)
-        kl = self.reference_kl(output)
+        kl = self._reward_kl(output)
         if kl is not None:
             output["kl_in_reward"] = kl
-        if self.records_sampling_logps() and not self.use_vllm and self.rollout_func is None:
-            # recorded for the KL only: TRL's loss (off-policy mask) then sees what it sees without them
-            output.pop("sampling_per_token_logps", None)
         global_batch = None
         if self.needs_global_batch or kl is not None:
             needed = {key: output[key] for key in self.global_batch_keys if key in output}
@@ -787,12 +810,7 @@ class VariantTrainer(GRPOTrainer):
                 global_batch = {k: v[keep] for k, v in global_batch.items()}
             group_size = self.kept_group_size(group_size)
 
-        rewards = self.total_rewards(rewards_per_func)
-        self.advantage_rewards_per_func = rewards_per_func
-        advantages = self.compute_advantages(rewards, global_batch, group_size)
-        self.advantage_rewards_per_func = None
-        if not torch.isfinite(advantages).all():  # the estimators promise this; a broken subclass must not train
-            raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
+        advantages = self._advantages_for(rewards_per_func, global_batch, group_size)
 
         rank = self.accelerator.process_index
         if keep is not None:  # only the kept rows move, each straight to the process that trains it
@@ -809,6 +827,24 @@ class VariantTrainer(GRPOTrainer):
         tokens = selection.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
         self._log_advantages(advantages, num_logged, keep, tokens)
         return output
+
+    def _reward_kl(self, output: dict) -> torch.Tensor | None:
+        """The KL in the reward of a rollout's rows (`reference_kl`); drops the sampling log-probs recorded for it."""
+        kl = self.reference_kl(output)
+        if self.records_sampling_logps() and not self.use_vllm and self.rollout_func is None:
+            # recorded for the KL only: TRL's loss (off-policy mask) then sees what it sees without them
+            output.pop("sampling_per_token_logps", None)
+        return kl
+
+    def _advantages_for(self, rewards_per_func: torch.Tensor, global_batch: dict | None, group_size: int):
+        """`compute_advantages` of the (kept) rows whose per-function rewards are `rewards_per_func` (N, F)."""
+        rewards = self.total_rewards(rewards_per_func)
+        self.advantage_rewards_per_func = rewards_per_func
+        advantages = self.compute_advantages(rewards, global_batch, group_size)
+        self.advantage_rewards_per_func = None
+        if not torch.isfinite(advantages).all():  # the estimators promise this; a broken subclass must not train
+            raise FloatingPointError(f"{type(self).__name__}.compute_advantages returned non-finite advantages")
+        return advantages
 
     def _log_advantages(
         self, advantages: torch.Tensor, num_logged: int, keep: torch.Tensor | None, mask: torch.Tensor | None = None

@@ -160,6 +160,10 @@ class PPOConfig(StepRewardFields, VariantConfig):
                   f"a step-based schedule (not {UNSHIFTABLE_SCHEDULERS}) with {name} > 0 (the policy's schedule "
                   "starts when the critic warm-up ends)", scheduler)
 
+    def prompt_selection_refused(self):
+        return ("the advantages come from a learned critic (GAE), not from the group: a group whose rewards are all "
+                "equal still has non-zero advantages and trains the critic")
+
     #: the name under which the user sets `critic_warmup_steps` (VAPO: `value_pretrain_steps`), for error messages
     warmup_field: ClassVar[str] = "critic_warmup_steps"
 

@@ -23,11 +23,12 @@ import torch
 from .. import selection
 from ..advantages import grpo_process_advantages
 from ..process import StepRewardFields, StepRewardsMixin
+from ..screening import PromptSelectionFields, PromptSelectionMixin
 from .base import VariantConfig, VariantTrainer, check
 
 
 @dataclass
-class ProcessGRPOConfig(StepRewardFields, VariantConfig):
+class ProcessGRPOConfig(StepRewardFields, PromptSelectionFields, VariantConfig):
     r"""
     Configuration for [`ProcessGRPOTrainer`]: [`~trl.GRPOConfig`] with the step-reward fields of
     [`~trl_ppo_variants.process.StepRewardFields`] (`step_separator`, `process_reward_model_path`,
@@ -38,7 +39,11 @@ class ProcessGRPOConfig(StepRewardFields, VariantConfig):
     advantage. `reward_weights` has one weight per column: `reward_funcs`, then `step_reward_funcs`, then the process
     reward model. `scale_rewards` and `multi_objective_aggregation` (`"normalize_then_sum"`, GDPO, is accepted) apply
     to the outcome advantage only: the process advantage is always normalised by its group's standard deviation, as
-    in the paper. The KL is GRPO's loss term (`beta`); `kl_in_reward_coef` must stay 0.
+    in the paper. The KL is GRPO's loss term (`beta`); `kl_in_reward_coef` must stay 0. `prompt_selection` (fields
+    of [`~trl_ppo_variants.screening.PromptSelectionFields`]) filters on the outcome rewards plus each step source's
+    summed step rewards (`filter_metric="reward"`): a group whose completions tie on all of them is treated as
+    uninformative (its step rewards may still differ step by step; name a reward function in `filter_metric` to
+    filter on it alone).
     """
 
     multi_objective_aggregations: ClassVar[tuple[str, ...]] = ("sum_then_normalize", "normalize_then_sum")
@@ -49,7 +54,7 @@ class ProcessGRPOConfig(StepRewardFields, VariantConfig):
         super().__post_init__()
 
 
-class ProcessGRPOTrainer(StepRewardsMixin, VariantTrainer):
+class ProcessGRPOTrainer(StepRewardsMixin, PromptSelectionMixin, VariantTrainer):
     """GRPO with process supervision (arXiv 2402.03300, Sec. 4.1.3) on top of TRL's `GRPOTrainer`.
 
     `ProcessGRPOTrainer(model, reward_funcs=[outcome...], step_reward_funcs=[steps...], args=ProcessGRPOConfig(...))`.
@@ -65,6 +70,11 @@ class ProcessGRPOTrainer(StepRewardsMixin, VariantTrainer):
                  **kwargs):
         args = self.resolve_args(args)
         super().__init__(model, reward_funcs, args=args, step_reward_funcs=step_reward_funcs, **kwargs)
+
+    def filter_values(self, rewards_per_func):
+        if self.args.filter_metric != "reward":
+            return super().filter_values(rewards_per_func)
+        return VariantTrainer.total_rewards(self, rewards_per_func)  # outcome and step columns alike
 
     def compute_advantages(self, rewards, batch, group_size):
         mask = selection.loss_mask(batch).to(torch.float32)

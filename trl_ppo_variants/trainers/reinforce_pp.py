@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from .. import selection
 from ..advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from ..process import StepRewardFields, StepRewardsMixin
+from ..screening import PromptSelectionFields, PromptSelectionMixin
 from .base import VariantConfig, VariantTrainer, check
 
 #: OpenRLHF's typical `--init_kl_coef` for REINFORCE++ (k1 KL in the reward) and for REINFORCE++-baseline (k2 loss).
@@ -15,7 +16,7 @@ DEFAULT_BASELINE_KL_LOSS_COEF = 1e-3
 
 
 @dataclass
-class ReinforcePPConfig(StepRewardFields, VariantConfig):
+class ReinforcePPConfig(StepRewardFields, PromptSelectionFields, VariantConfig):
     r"""
     Configuration for [`ReinforcePPTrainer`]: [`~trl.GRPOConfig`] with the fields of REINFORCE++ (arXiv 2501.03262).
 
@@ -32,7 +33,8 @@ class ReinforcePPConfig(StepRewardFields, VariantConfig):
 
     Samples per prompt: the paper's REINFORCE++ samples ONE response per prompt (its baseline is the whitening over
     the batch, no group), so `num_generations=1` is accepted when `baseline=False` (TRL's `GRPOConfig` refuses it);
-    REINFORCE++-baseline subtracts the group mean and needs `num_generations >= 2`. TRL's `frac_reward_zero_std` is
+    REINFORCE++-baseline subtracts the group mean and needs `num_generations >= 2`; it alone takes `prompt_selection`
+    (fields of [`~trl_ppo_variants.screening.PromptSelectionFields`]). TRL's `frac_reward_zero_std` is
     not logged for groups of one (it would always be 1); `reward_std` is the std over the batch.
 
     Step rewards (process supervision, REINFORCE++ only): `step_reward_funcs=[...]` passed to the trainer, or a
@@ -86,6 +88,13 @@ class ReinforcePPConfig(StepRewardFields, VariantConfig):
             return super().min_num_generations()
         return 1, "REINFORCE++ needs no group: its baseline is the batch whitening"
 
+    def prompt_selection_refused(self):
+        if not self.baseline:
+            return ("plain REINFORCE++ has no group baseline (its baseline is the batch whitening): a group whose "
+                    "rewards are all equal still has non-zero advantages; REINFORCE++-baseline (baseline=True) "
+                    "supports it")
+        return super().prompt_selection_refused()
+
     def step_rewards_refused(self):
         if self.baseline:
             return "baseline=True broadcasts one outcome advantage per completion; step rewards need baseline=False"
@@ -108,7 +117,7 @@ class ReinforcePPConfig(StepRewardFields, VariantConfig):
         super().__post_init__()
 
 
-class ReinforcePPTrainer(StepRewardsMixin, VariantTrainer):
+class ReinforcePPTrainer(StepRewardsMixin, PromptSelectionMixin, VariantTrainer):
     """REINFORCE++ / REINFORCE++-baseline (arXiv 2501.03262) on top of TRL's `GRPOTrainer`.
 
     Advantages are per token, (N, T), computed on the global batch (whitening is over every valid token of every

@@ -38,6 +38,10 @@ class ReMaxConfig(VariantConfig):
     def min_num_generations(self):
         return 1, "ReMax's baseline is the greedy completion, not the group"
 
+    def prompt_selection_refused(self):
+        return ("ReMax's baseline is one greedy completion, not a group: a prompt whose samples all score alike still "
+                "has a non-zero advantage against it")
+
     def __post_init__(self):
         super().__post_init__()
         check(not self.use_transformers_continuous_batching, "use_transformers_continuous_batching",

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from ..advantages import rloo_advantages
+from ..screening import PromptSelectionFields, PromptSelectionMixin
 from .base import VariantConfig, VariantTrainer, check
 
 
 @dataclass
-class RLOOConfig(VariantConfig):
+class RLOOConfig(PromptSelectionFields, VariantConfig):
     r"""
     Configuration for [`RLOOTrainer`]: [`~trl.GRPOConfig`] with RLOO's fields, named and defaulted as in
     `trl.RLOOConfig` so that moving from TRL's RLOO keeps the behaviour.
@@ -26,6 +27,8 @@ class RLOOConfig(VariantConfig):
     because leave-one-out advantages sum to 0 per group; ours is `-mean_i |y_i| A_i`. Any other `loss_type` works
     (e.g. "dapo": the same gradient direction scaled by `N / num_tokens`).
     `scale_rewards` and `multi_objective_aggregation` (GRPO's) are not used: RLOO's scaling is `normalize_advantages`.
+    `prompt_selection` (SPEED screening, GRESO skipping, dynamic sampling; fields of
+    [`~trl_ppo_variants.screening.PromptSelectionFields`]) filters on the task reward, before the KL penalty.
 
     Parameters:
         loss_type (`str`, *optional*, defaults to `"luspo"`):
@@ -74,7 +77,7 @@ class RLOOConfig(VariantConfig):
                   "reward_clip_range", "(min, max) with min <= max", self.reward_clip_range)
 
 
-class RLOOTrainer(VariantTrainer):
+class RLOOTrainer(PromptSelectionMixin, VariantTrainer):
     """RLOO (arXiv 2402.14740) on top of TRL's `GRPOTrainer`: every completion's baseline is the mean reward of the
     other G - 1 completions of its prompt; the KL to the reference (summed k1, as in the paper and `trl.RLOOTrainer`)
     is subtracted from the reward first. The policy loss is `GRPOTrainer`'s (set by `loss_type`)."""

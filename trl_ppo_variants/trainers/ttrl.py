@@ -96,6 +96,10 @@ class TTRLConfig(VariantConfig):
 
     multi_objective_aggregations = ("sum_then_normalize", "normalize_then_sum")
 
+    def prompt_selection_refused(self):
+        return ("TTRL's reward is the majority vote of the whole group, which a screening subset does not have, and "
+                "its data are the test prompts themselves, which skipping would leave untrained")
+
     def __post_init__(self):
         if self.n_votes is not None:
             check(isinstance(self.n_votes, int) and self.n_votes >= 2, "n_votes", "an integer >= 2", self.n_votes)
