@@ -474,12 +474,17 @@ def test_grpo_runs_trl_grpo_trainer_from_the_same_command_line(tmp_path, toy_mod
     assert type(built[0]) is getattr(module, cli.GRPO_BASELINE.trainer)
     assert type(built[0].args) is getattr(module, cli.GRPO_BASELINE.config)
     assert isinstance(built[0], trl.GRPOTrainer) and isinstance(built[0].args, trl.GRPOConfig)
+    assert not built[0].args.prompt_selection or built[0].args.prompt_selection == "none"  # TRL's GRPO by default
     assert "trained grpo for 1 step on 1 process on cpu" in capsys.readouterr().out
     assert (tmp_path / "out" / "README.md").exists() and (tmp_path / "out" / "model.safetensors").exists()
     _one_line_error(capsys, cli.main(["grpo", "--config", "dapo"]), "unknown field 'dynamic_sampling' for grpo",
                     "(a field of dapo)")
     _one_line_error(capsys, cli.main(["grpo", *args, "--kl_in_reward_coef", "0.1"]),
-                    "unknown field '--kl_in_reward_coef' for grpo", "a field of remax, rloo")
+                    "kl_in_reward_coef: expected 0 (GRPO's KL is the loss term weighted by `beta`)")
+    # one field turns prompt selection on, GRPO's estimator unchanged (issue 18)
+    built.clear()
+    assert cli.main(["grpo", *args, "--prompt_selection", "speed", "--output_dir", str(tmp_path / "speed")]) == 0
+    assert built[0].args.prompt_selection == "speed" and built[0].prompt_selection is not None
 
 
 def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):

@@ -68,11 +68,13 @@ ALGORITHMS: dict[str, Algorithm] = {
 }
 
 
-#: `trl-ppo-variants grpo`: TRL's own GRPO run from the same recipes and command line, the baseline every algorithm
-#: here is compared with. The one place that says which trainer and config it runs (module path, config class,
-#: trainer class); nothing else in the CLI names them.
-GRPO_BASELINE = Algorithm("trl", "GRPOConfig", "GRPOTrainer",
-                          "GRPO: TRL's own GRPOTrainer, the baseline to compare with (arXiv 2402.03300)", package="")
+#: `trl-ppo-variants grpo`: GRPO, the baseline every algorithm here is compared with, run from the same recipes and
+#: command line. It is `trl_ppo_variants.GRPOTrainer`: with its fields at their defaults it trains bit-identically to
+#: `trl.GRPOTrainer` (tests/test_screening.py), and one field turns on prompt selection (`prompt_selection: speed`).
+#: The one place that says which trainer and config it runs; nothing else in the CLI names them.
+GRPO_BASELINE = Algorithm("grpo", "GRPOConfig", "GRPOTrainer",
+                          "GRPO: TRL's GRPOTrainer, the baseline to compare with (arXiv 2402.03300), plus "
+                          "prompt_selection (SPEED / GRESO / dynamic sampling)")
 
 #: commands that run a trainer that is not one of this package's algorithms
 BASELINES: dict[str, Algorithm] = {"grpo": GRPO_BASELINE}

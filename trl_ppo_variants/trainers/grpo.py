@@ -47,7 +47,7 @@ class GRPOTrainer(PromptSelectionMixin, VariantTrainer):
     _tag_names = ["trl", "trl-ppo-variants", "grpo"]
     config_class = GRPOConfig
 
-    def __init__(self, model, reward_funcs, args: GRPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: GRPOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
