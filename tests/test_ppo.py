@@ -72,7 +72,9 @@ def test_config_defaults(tmp_path):
 def test_critic_is_a_submodule_initialised_from_the_policy(toy_model_dir, toy_dataset, tmp_path):
     trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, critic_learning_rate=5e-4, weight_decay=0.01)
     critic = trainer.model.critic
-    assert type(critic).__name__ == "Qwen3ForTokenClassification" and critic.config.num_labels == 1
+    # the causal LM's own base model (Qwen3Model) plus a scalar head, not a ...ForTokenClassification
+    assert type(critic).__name__ == "ValueModel" and type(critic.model).__name__ == "Qwen3Model"
+    assert critic.config.num_labels == 1 and critic.score.out_features == 1
     policy_backbone = trainer.model.model.state_dict()
     for name, tensor in critic.model.state_dict().items():
         assert torch.equal(tensor, policy_backbone[name]), name
@@ -120,6 +122,91 @@ def test_critic_from_value_model_path(toy_model_dir, toy_dataset, tmp_path):
     trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=str(tmp_path / "vm"))
     assert trainer.critic.score.bias.item() == 7.0
     assert torch.equal(trainer.critic.score.weight, value_model.score.weight)
+
+
+def test_critic_from_a_sequence_classification_reward_model(toy_model_dir, toy_dataset, tmp_path):
+    """A reward model's scalar head (`score`, no bias) is the critic's starting head; the missing bias starts at 0."""
+    from transformers import AutoModelForSequenceClassification
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(toy_model_dir, num_labels=1)
+    reward_model.save_pretrained(tmp_path / "rm")
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=str(tmp_path / "rm"))
+    assert torch.equal(trainer.critic.score.weight, reward_model.score.weight)
+    assert torch.count_nonzero(trainer.critic.score.bias) == 0
+    for name, tensor in reward_model.model.state_dict().items():
+        assert torch.equal(trainer.critic.model.state_dict()[name], tensor), name
+
+
+def test_value_model_path_without_a_head_gets_the_scaled_init(toy_model_dir, toy_dataset, tmp_path):
+    """`value_model_path` pointing at a causal LM (here the policy's own checkpoint) holds no value head: the new one
+    starts at N(0, 1/(d+1)) with a zero bias, as from the policy (issue 19: transformers' N(0, 0.02) was kept)."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=toy_model_dir)
+    head = trainer.critic.score
+    assert abs(head.weight.std().item() * (head.in_features + 1) - 1.0) < 0.15
+    assert torch.count_nonzero(head.bias) == 0
+    policy_backbone = trainer.model.model.state_dict()
+    for name, tensor in trainer.critic.model.state_dict().items():
+        assert torch.equal(tensor, policy_backbone[name]), name
+
+
+def _cohere2_checkpoint(path):
+    """A tiny Cohere2 causal LM (an architecture transformers has no `...ForTokenClassification` for) on the toy
+    tokenizer, saved offline."""
+    from transformers import AutoModelForCausalLM, Cohere2Config
+
+    from trl_ppo_variants.toy import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Cohere2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("critic_backbone", ["full", "lora"])
+def test_critic_for_an_architecture_without_token_classification(toy_dataset, tmp_path, critic_backbone):
+    """Cohere2 has no `AutoModelForTokenClassification` class (issue 22: "Unrecognized configuration class"): the
+    critic is the causal LM's own base model plus our head, trains, and its export loads on its own."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    assert "cohere2" not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    model_dir = _cohere2_checkpoint(tmp_path / "cohere2")
+    trainer = _trainer(model_dir, toy_dataset, tmp_path, critic_backbone=critic_backbone, critic_learning_rate=1e-2)
+    assert type(trainer.critic.backbone).__name__ == "Cohere2Model"
+    before = {n: p.detach().clone() for n, p in trainer.critic.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["value/loss"])) for h in trainer.state.log_history if "value/loss" in h)
+    assert not torch.equal(before["score.weight"], trainer.critic.score.weight)
+    trainer.save_model(str(tmp_path / "export"))
+    from trl_ppo_variants.critic import load_value_model
+
+    loaded = load_value_model(str(tmp_path / "export" / "value_model"))
+    ids = torch.randint(3, 30, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.equal(critic_values(loaded, ids, mask, 3), critic_values(trainer.critic.eval(), ids, mask, 3))
+
+
+def test_sync_ref_model_syncs_from_the_policy_alone(toy_model_dir, toy_dataset, tmp_path):
+    """`sync_ref_model=True` (issue 22: "zip() argument 2 is longer than argument 1", the critic's parameters paired
+    with the reference model's): with mixup alpha 1 the reference equals the policy after every step."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, kl_in_reward_coef=0.05, sync_ref_model=True,
+                       ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    reference = dict(trainer.ref_model.named_parameters())
+    policy = {n: p for n, p in trainer.model.named_parameters() if not n.startswith("critic.")}
+    assert reference.keys() == policy.keys()
+    assert all(torch.equal(reference[n], p) for n, p in policy.items())
+    assert not torch.equal(reference["model.norm.weight"], _trainer(toy_model_dir, toy_dataset, tmp_path / "fresh")
+                           .model.model.norm.weight)  # it moved with the policy
 
 
 # ------------------------------------------------------------------------------------------------ rollout targets
@@ -214,6 +301,49 @@ def test_loss_adds_the_value_term_and_the_dual_clip_correction(toy_model_dir, to
         assert trainer._metrics["train"][key], key
 
 
+def test_value_loss_is_the_mean_over_the_value_targets(toy_model_dir, toy_dataset, tmp_path):
+    """The value loss's normaliser is the number of tokens with a value target (`value_mask`), not all loss tokens
+    (`num_items_in_batch`): completions whose reward is None have no target and must not dilute it (issue 19)."""
+    def reward(completions, answer, **kwargs):
+        return [None, None] + addition_reward(completions, answer)[2:]  # two unscorable completions
+
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, reward=reward)
+    batch = _rollout(trainer, toy_dataset)
+    value_mask, mask = batch["value_mask"], batch["completion_mask"].float()
+    assert value_mask.sum() < mask.sum()
+
+    def loss(vf):
+        trainer.args.vf_coef = vf
+        with torch.no_grad():
+            return trainer._compute_loss(trainer.model, dict(batch)).item()
+
+    # V = V_old before any update: 0.5 (V - R)^2 over the targets, divided by their number
+    expected = (0.5 * (batch["old_values"] - batch["returns"]) ** 2 * value_mask).sum() / value_mask.sum()
+    assert loss(1.0) - loss(0.0) == pytest.approx(expected.item(), rel=1e-5)
+    assert batch["num_value_tokens"] == value_mask.sum()
+
+
+def test_value_tokens_are_counted_per_optimizer_step(toy_model_dir, toy_dataset, tmp_path):
+    """Two optimizer steps per generation batch: `num_value_tokens` is each step's own count, as `num_items_in_batch`
+    (TRL's "dapo" normaliser divides it by processes x accumulation / steps_per_generation = 1/2 here)."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, per_device_train_batch_size=2, num_generations=2,
+                       steps_per_generation=2)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    value_mask = mask * torch.tensor([[1], [1], [0], [1]])  # steps of 6 and 3 value tokens
+    batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+             "completion_ids": torch.ones(4, 4, dtype=torch.long), "completion_mask": mask,
+             "advantages": torch.zeros(4, 4), "value_mask": value_mask.float(),
+             "num_items_in_batch": mask.sum(), "num_value_tokens": value_mask.sum()}
+    trainer._generate_and_score_completions = lambda inputs: dict(batch)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    for step in range(2):
+        trainer._step = step
+        inputs = trainer._prepare_inputs([{}])
+        assert inputs["num_value_tokens"] / 2 == inputs["value_mask"].sum()
+        assert inputs["num_items_in_batch"] / 2 == inputs["completion_mask"].sum()
+
+
 # ------------------------------------------------------------------------------------------------ critic warm-up
 def test_critic_warmup_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_path):
     """`critic_warmup_steps=2` of 4 (VAPO's value pre-training, one implementation): during the warm-up the policy is
@@ -235,6 +365,26 @@ def test_critic_warmup_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_p
     state = trainer.optimizer.state
     assert state[trainer.model.model.embed_tokens.weight]["step"].item() == 2
     assert state[trainer.critic.model.embed_tokens.weight]["step"].item() == 4
+
+
+@pytest.mark.parametrize("algo, field", [("ppo", "critic_warmup_steps"), ("vapo", "value_pretrain_steps")])
+def test_critic_warmup_longer_than_an_epoch_run_is_refused(toy_model_dir, tmp_path, algo, field):
+    """A run whose length comes from `num_train_epochs` (4 optimizer steps here), not `max_steps`: a warm-up of 4
+    steps would train only the critic and end normally with the policy unchanged (issue 22). Refused before the first
+    step, naming the field and the run's real length."""
+    from trl_ppo_variants.toy import addition_dataset
+    from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
+
+    config_cls, trainer_cls = (PPOConfig, PPOTrainer) if algo == "ppo" else (VAPOConfig, VAPOTrainer)
+    args = toy_args(config_cls, tmp_path, max_steps=-1, num_train_epochs=1, kl_in_reward_coef=0.0, **{field: 4})
+    trainer = trainer_cls(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(8, seed=0))
+    with pytest.raises(ValueError, match=f"^{field}: expected fewer than the run's 4 optimizer steps"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    args = toy_args(config_cls, tmp_path, max_steps=-1, num_train_epochs=1, kl_in_reward_coef=0.0, **{field: 3})
+    trainer = trainer_cls(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(8, seed=0))
+    trainer.train()
+    assert trainer.state.global_step == 4
 
 
 def test_without_critic_warmup_the_scheduler_is_transformers(toy_model_dir, toy_dataset, tmp_path):
