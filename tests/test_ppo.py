@@ -9,7 +9,7 @@ from conftest import logged_rewards, quarter_means, toy_args
 from safetensors import safe_open
 
 from trl_ppo_variants.advantages import masked_whiten
-from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.critic import critic_parameters, critic_values, is_critic_key
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.ppo import GROUP_ROLE, PPOConfig, PPOTrainer
 
@@ -439,6 +439,165 @@ def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_d
     trainer.args.save_value_model = False
     trainer.save_model(str(tmp_path / "export2"))
     assert not os.path.exists(tmp_path / "export2" / "value_model")
+
+
+# ------------------------------------------------------------------------------------------------ LoRA critic
+LORA_MODES = ["copy", "reference", "policy_adapter"]
+
+
+def _lora_trainer(model_dir, dataset, tmp_path, mode, **overrides):
+    """A PPO trainer with `critic_backbone="lora"` whose frozen weights come from `mode`: a frozen copy (no KL, so no
+    reference model), the reference model (PPO's default KL in the reward loads one) or the PEFT policy's base."""
+    kwargs = {}
+    if mode == "policy_adapter":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    overrides = {"critic_backbone": "lora", "kl_in_reward_coef": 0.0 if mode == "copy" else 0.05, **overrides}
+    trainer = PPOTrainer(model_dir, addition_reward, args=toy_args(PPOConfig, tmp_path, **overrides),
+                         train_dataset=dataset, **kwargs)
+    assert trainer.critic_base == mode
+    return trainer
+
+
+@pytest.mark.parametrize("mode", LORA_MODES)
+def test_lora_critic_trains_an_adapter_and_a_head_only(toy_model_dir, toy_dataset, tmp_path, mode):
+    """The critic's trainable parameters are its LoRA adapter (every linear layer of the backbone) and its head, in the
+    optimizer's critic groups; the frozen weights have no gradient. With gradient checkpointing (TRL's default) the
+    backward replays the critic's layers with its adapter on: the gradients equal those without checkpointing."""
+    trainer = _lora_trainer(toy_model_dir, toy_dataset, tmp_path, mode)
+    critic = trainer.critic
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad and is_critic_key(n)}
+    adapters = {n for n in trainable if "lora_A" in n or "lora_B" in n}
+    assert trainable - adapters == {n for n in trainable if n.endswith(("critic.score.weight", "critic.score.bias"))}
+    assert len(adapters) == 2 * 7 * 2  # A and B on the 7 projections of each of the 2 layers
+    frozen_critic = [n for n, p in trainer.model.named_parameters() if is_critic_key(n) and not p.requires_grad]
+    assert (len(frozen_critic) > 0) == (mode == "copy")  # only a frozen copy is the critic's own (registered) module
+    if mode == "reference":
+        assert critic.backbone is trainer.ref_model.model
+        assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+    trainer.create_optimizer()
+    in_critic_groups = {id(p) for g in trainer.optimizer.param_groups if g[GROUP_ROLE] == "critic" for p in g["params"]}
+    assert in_critic_groups == {id(p) for p in critic_parameters(trainer.model)}
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 30, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():  # an adapter that is not the identity, so that a missed replay would show
+        for name in adapters:
+            dict(trainer.model.named_parameters())[name].normal_(0.0, 0.1)
+    grads = []
+    for checkpointing in (False, True):
+        trainer.model.train()
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        trainer.model.zero_grad()
+        values = critic_values(critic, ids, mask, 5)
+        logits = trainer.model(input_ids=ids, attention_mask=mask).logits
+        (values.pow(2).sum() + logits.float().pow(2).mean()).backward()
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and adapters <= grads[0].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert all(grads[0][n].abs().sum() > 0 for n in adapters)
+
+
+def _logps(trainer, model, ids, mask):
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(model, ids, mask, 4)[0]
+
+
+@pytest.mark.parametrize("mode", ["reference", "policy_adapter"])
+def test_shared_weights_never_change_the_reference_or_the_policy(toy_model_dir, toy_dataset, tmp_path, mode):
+    """The critic shares frozen weights with the reference model (full fine-tuning) or with the policy (its PEFT base):
+    the reference's and the policy's outputs are bit-equal before and after a critic update, the critic's are not;
+    after two training steps the reference's outputs are still bit-equal (the adapter never leaks into its forward)."""
+    from trl.trainer.utils import use_adapter
+
+    trainer = _lora_trainer(toy_model_dir, toy_dataset, tmp_path, mode, max_steps=2, critic_learning_rate=1e-2)
+    trainer.model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 30, (4, 10))
+    mask = torch.ones_like(ids)
+
+    def reference():
+        if mode == "reference":
+            return _logps(trainer, trainer.ref_model, ids, mask)
+        with use_adapter(trainer.model, adapter_name=None):  # TRL's reference for a PEFT policy
+            return _logps(trainer, trainer.model, ids, mask)
+
+    ref_before, policy_before = reference(), _logps(trainer, trainer.model, ids, mask)
+    with torch.no_grad():
+        values_before = critic_values(trainer.critic, ids, mask, 4)
+    params = critic_parameters(trainer.model)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for _ in range(2):  # a critic update, through the checkpointed backward
+        trainer.model.zero_grad()
+        (critic_values(trainer.critic, ids, mask, 4) - 1.0).pow(2).mean().backward()
+        optimizer.step()
+    no_grad = [n for n, p in trainer.model.named_parameters() if p.grad is not None and not is_critic_key(n)]
+    assert no_grad == []  # the policy's parameters got no gradient from the critic
+    if mode == "reference":
+        assert all(p.grad is None for p in trainer.ref_model.parameters())
+    else:  # PEFT's adapter switch is undone: the policy's adapter is active, both adapters still train
+        assert trainer.model.active_adapter == "default"
+        assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    with torch.no_grad():
+        assert not torch.allclose(critic_values(trainer.critic, ids, mask, 4), values_before)
+    assert torch.equal(reference(), ref_before)
+    assert torch.equal(_logps(trainer, trainer.model, ids, mask), policy_before)
+
+    trainer.train()  # the policy trains; the reference stays what it was
+    assert torch.equal(reference(), ref_before)
+    assert not torch.equal(_logps(trainer, trainer.model, ids, mask), policy_before)
+
+
+@pytest.mark.parametrize("mode", LORA_MODES)
+def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tmp_path, mode):
+    """A checkpoint holds the adapter and the head (the full model's `critic.*`, or PEFT's `value_model/`), and resuming
+    from it ends where the uninterrupted run ends, bit for bit (policy and critic); the exported `value_model/` is the
+    adapter and the head and loads on its own (`load_value_model`) to the same values."""
+    from transformers import TrainerCallback
+
+    from trl_ppo_variants.critic import load_value_model
+
+    class StopAfterOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    run = dict(max_steps=2, save_strategy="steps", save_steps=1, critic_learning_rate=1e-2)
+    full = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "full", mode, **run)
+    full.train()
+    first = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "a", mode, **run)
+    first.add_callback(StopAfterOne())
+    first.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
+    if mode == "policy_adapter":
+        assert not (checkpoint / "critic").exists()  # PEFT's own save leaves the critic's adapter out
+        assert {"value_adapter.safetensors", "value_head.safetensors"} <= set(os.listdir(checkpoint / "value_model"))
+    else:
+        keys = [k for k in _keys(checkpoint / "model.safetensors") if k.startswith("critic.")]
+        assert any(".lora_A." in k for k in keys) and "critic.score.weight" in keys
+        assert any(k.startswith("critic.model.") for k in keys) == (mode == "copy")  # never the reference's weights
+    resumed = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "b", mode, **run)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    final = dict(full.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+    full.save_model(str(tmp_path / "export"))
+    value_dir = tmp_path / "export" / "value_model"
+    assert {"value_adapter.safetensors", "value_head.safetensors", "config.json"} == set(os.listdir(value_dir))
+    loaded = load_value_model(str(value_dir))
+    ids = torch.randint(3, 30, (2, 8))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full.model.eval()
+        assert torch.allclose(critic_values(loaded, ids, mask, 4), critic_values(full.critic, ids, mask, 4), atol=1e-6)
+    if mode == "policy_adapter":  # the exported policy is the policy's adapter alone
+        assert not (tmp_path / "export" / "critic").exists()
 
 
 # ------------------------------------------------------------------------------------------------ learning

@@ -31,9 +31,9 @@ so the recomputed activations are the critic's, not the policy's or the referenc
 Saved critics (`value_model/`, `save_pretrained`): a full critic is `config.json` (the policy's config, `num_labels=1`)
 plus weights keyed `<base_model_prefix>.*` and `score.*`, the layout of transformers' `...ForTokenClassification`: where
 the architecture has that class, `AutoModelForTokenClassification.from_pretrained` loads it as before, and checkpoints
-written before this class existed load into it unchanged. A LoRA critic saves the adapter in PEFT's format (relative
-to the backbone: `adapter_config.json`, `adapter_model.safetensors`), the head (`value_head.safetensors`) and the config,
-which names the frozen base. `load_value_model(path)` loads either kind on its own.
+written before this class existed load into it unchanged. A LoRA critic saves the adapter (`value_adapter.safetensors`, PEFT's
+key names relative to the backbone), the head (`value_head.safetensors`) and the config, which names the frozen base and
+the adapter's settings. `load_value_model(path)` loads either kind on its own.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ VALUE_MODEL_DIR = "value_model"
 #: config.json key describing a saved critic (kind, frozen base)
 CONFIG_KEY = "trl_ppo_variants_critic"
 HEAD_FILE = "value_head.safetensors"
-ADAPTER_FILE = "adapter_model.safetensors"
+#: not PEFT's `adapter_model.safetensors`: transformers' resume would load a folder holding that file into the PEFT
+#: policy as an adapter of its own
+ADAPTER_FILE = "value_adapter.safetensors"
 #: state-dict names under which checkpoints hold a scalar head: ours and transformers' token/sequence classification
 #: (`score`, `classifier`), TRL's former `AutoModelForCausalLMWithValueHead` (`v_head.summary`)
 HEAD_PREFIXES = ("score", "classifier", "v_head.summary")
@@ -511,9 +513,9 @@ class LoraValueModel(_Critic):
         return key
 
     def save_pretrained(self, directory: str, state_dict: dict | None = None, is_main_process: bool = True, **_):
-        """The adapter in PEFT's format (relative to the backbone), the head, and the config naming the frozen base."""
+        """The adapter (PEFT's key names, relative to the backbone), the head, and the config naming the frozen base
+        and the adapter's settings."""
         from huggingface_hub import save_torch_state_dict
-        from peft import LoraConfig
 
         gathered = self._gathered() if not state_dict else contextlib.nullcontext()
         with gathered:
@@ -528,8 +530,6 @@ class LoraValueModel(_Critic):
                               filename_pattern=ADAPTER_FILE.replace(".safetensors", "{suffix}.safetensors"))
         paths = sorted({k.rsplit(".lora_", 1)[0] for k in trained})
         base = getattr(self.config, "_name_or_path", None)
-        LoraConfig(r=self.lora_r, lora_alpha=self.lora_alpha, lora_dropout=0.0, bias="none", target_modules=paths,
-                   base_model_name_or_path=base).save_pretrained(directory)
         self._write_config(directory, {"base_model_name_or_path": base, "lora_r": self.lora_r,
                                        "lora_alpha": self.lora_alpha, "target_modules": paths})
 
