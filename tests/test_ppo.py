@@ -574,8 +574,9 @@ def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tm
     first.add_callback(StopAfterOne())
     first.train()
     checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
-    if mode == "policy_adapter":
-        assert not (checkpoint / "critic").exists()  # PEFT's own save leaves the critic's adapter out
+    if mode == "policy_adapter":  # PEFT's own save leaves the critic's adapter out
+        assert not (checkpoint / "critic").exists()
+        assert not any(".critic" in k for k in _keys(checkpoint / "adapter_model.safetensors"))
         assert {"value_adapter.safetensors", "value_head.safetensors"} <= set(os.listdir(checkpoint / "value_model"))
     else:
         keys = [k for k in _keys(checkpoint / "model.safetensors") if k.startswith("critic.")]
@@ -598,20 +599,29 @@ def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tm
         assert torch.allclose(critic_values(loaded, ids, mask, 4), critic_values(full.critic, ids, mask, 4), atol=1e-6)
     if mode == "policy_adapter":  # the exported policy is the policy's adapter alone
         assert not (tmp_path / "export" / "critic").exists()
+        keys = _keys(tmp_path / "export" / "adapter_model.safetensors")
+        assert keys and not any("critic" in k for k in keys)
 
 
 # ------------------------------------------------------------------------------------------------ learning
-LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 60, 1e-3, 0, 0.1
+LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 120, 1e-3, 0, 0.1
 
 
-@pytest.mark.timeout(180)
-def test_ppo_learns(tmp_path, toy_model_dir):
-    """Seeded: the mean sampled reward of the last quarter of the steps beats the first quarter by a margin
-    (measured: 0.25 -> 0.41)."""
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("critic_backbone", ["full", "lora"])
+def test_ppo_learns(tmp_path, toy_model_dir, critic_backbone):
+    """Seeded: the mean sampled reward of the last quarter of the steps beats the first quarter by a margin. Measured
+    over seeds 0-7 (gain: mean [min, max]): full critic +0.21 [0.14, 0.29], seed 0 +0.29; LoRA critic (a frozen copy
+    here: no KL, so no reference model) +0.20 [0.12, 0.24], seed 0 +0.24.
+
+    120 steps, not 60: a quarter of 60 steps is 240 samples, whose mean has a standard error of ~0.03, so the gain of
+    one seed varied by +-0.05 around +0.13 (0.03 to 0.20 over seeds 0-7) and a 0.1 margin failed or passed with the
+    draw of the value head (it failed at seed 0 once the head's init changed, with no change to PPO's learning)."""
     from trl_ppo_variants.toy import addition_dataset
 
     args = toy_args(PPOConfig, tmp_path, max_steps=LEARN_STEPS, per_device_train_batch_size=16,
-                    learning_rate=LEARN_LR, temperature=1.0, seed=LEARN_SEED, kl_in_reward_coef=0.0)
+                    learning_rate=LEARN_LR, temperature=1.0, seed=LEARN_SEED, kl_in_reward_coef=0.0,
+                    critic_backbone=critic_backbone)
     trainer = PPOTrainer(toy_model_dir, addition_reward, args=args,
                          train_dataset=addition_dataset(16 * LEARN_STEPS, seed=LEARN_SEED))
     trainer.train()

@@ -285,7 +285,7 @@ class ValueModel(_Critic):
         os.makedirs(directory, exist_ok=True)
         self._write_config(directory)
         state_dict = self.state_dict() if state_dict is None else state_dict
-        save_torch_state_dict({k: v.detach().contiguous() for k, v in state_dict.items()}, directory)
+        save_torch_state_dict({k: _own_storage(v) for k, v in state_dict.items()}, directory)
 
     def load_saved(self, directory: str) -> None:
         """Load weights written by `save_pretrained` (strict: a partial load must not pass silently)."""
@@ -293,6 +293,15 @@ class ValueModel(_Critic):
         if not files:
             raise FileNotFoundError(f"no weights found in {directory}")
         self.load_state_dict(_read_tensors(files, lambda key: True), strict=True)
+
+
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (detached), copied when it is a view into a larger storage (DeepSpeed's flat buffers), which safetensors
+    refuses to save."""
+    tensor = tensor.detach()
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def _linear_targets(backbone: nn.Module, target_modules) -> dict[str, nn.Linear]:
@@ -802,21 +811,23 @@ def split_critic_state_dict(state_dict: dict) -> tuple[dict, dict]:
 @contextlib.contextmanager
 def detached_critic(model: nn.Module):
     """Temporarily remove the critic from the policy (to export a plain policy); yields the critic (or None). A critic
-    that is a PEFT adapter of the policy is also hidden from the PEFT config, so that the policy's save writes only the
-    policy's adapter."""
+    that is a PEFT adapter of the policy stays in the PEFT config (PEFT filters the other adapters' weights out of an
+    adapter's file by that config) but is left out of what the policy's `save_pretrained` writes."""
     target = policy_module(model)
     critic = target._modules.pop(CRITIC_ATTR, None)
     peft_model = unwrap_module(model)
-    adapter_config = None
-    if _is_peft(peft_model):
-        adapter_config = peft_model.peft_config.pop(CRITIC_ADAPTER, None)
+    patched = _is_peft(peft_model) and CRITIC_ADAPTER in peft_model.peft_config
+    if patched:
+        others = [name for name in peft_model.peft_config if name != CRITIC_ADAPTER]
+        peft_model.save_pretrained = functools.partial(type(peft_model).save_pretrained, peft_model,
+                                                       selected_adapters=others)
     try:
         yield critic
     finally:
         if critic is not None:
             target._modules[CRITIC_ATTR] = critic
-        if adapter_config is not None:
-            peft_model.peft_config[CRITIC_ADAPTER] = adapter_config
+        if patched:
+            del peft_model.save_pretrained
 
 
 def save_critic(critic: nn.Module, directory: str, state_dict: dict | None = None, is_main_process: bool = True):
