@@ -319,6 +319,12 @@ def _linear_targets(backbone: nn.Module, target_modules) -> dict[str, nn.Linear]
     return targets
 
 
+def _trained_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of what a LoRA critic trains over frozen weights of `dtype`: float32 over half precision (as PEFT's
+    `autocast_adapter_dtype`; Adam on bf16 weights loses small updates), else the weights' own."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) or not dtype.is_floating_point else dtype
+
+
 def _key(path: str) -> str:  # module paths as `ModuleDict` keys ("." is not allowed there)
     return path.replace(".", "__")
 
@@ -326,7 +332,8 @@ def _key(path: str) -> str:  # module paths as `ModuleDict` keys ("." is not all
 class _HookLora(nn.Module):
     """A LoRA adapter applied to frozen linear layers by forward hooks (`y + B(A(x)) * alpha / r`), registered only
     while `applied()` is active: the layers themselves (a reference model's, say) are never modified. A: nn.Linear's
-    default (Kaiming-uniform) init; B: zero, so the adapter starts as the identity (as PEFT's LoRA)."""
+    default (Kaiming-uniform) init; B: zero, so the adapter starts as the identity (as PEFT's LoRA). The adapter runs in
+    its own dtype (float32 over half-precision weights) and adds its output in the layer's."""
 
     def __init__(self, targets: dict[str, nn.Linear], r: int, alpha: float):
         super().__init__()
@@ -335,7 +342,7 @@ class _HookLora(nn.Module):
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         for path, linear in targets.items():
-            dtype = linear.weight.dtype if linear.weight.is_floating_point() else torch.float32
+            dtype = _trained_dtype(linear.weight.dtype)
             self.lora_A[_key(path)] = nn.Linear(linear.in_features, r, bias=False, dtype=dtype)
             self.lora_B[_key(path)] = nn.Linear(r, linear.out_features, bias=False, dtype=dtype)
             nn.init.zeros_(self.lora_B[_key(path)].weight)
@@ -420,7 +427,7 @@ class LoraValueModel(_Critic):
 
     def __init__(self, config, base: nn.Module, base_model_prefix: str, base_source: str, *, r: int, alpha: float,
                  target_modules=None, peft_model=None):
-        super().__init__(config, base_model_prefix, next(base.parameters()).dtype)
+        super().__init__(config, base_model_prefix, _trained_dtype(next(base.parameters()).dtype))
         self.base_source = base_source
         self.lora_r, self.lora_alpha = r, alpha
         if base_source == "copy":
