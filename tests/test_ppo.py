@@ -124,6 +124,29 @@ def test_critic_from_value_model_path(toy_model_dir, toy_dataset, tmp_path):
     assert torch.equal(trainer.critic.score.weight, value_model.score.weight)
 
 
+def test_value_model_saved_before_loads_into_the_critic(toy_model_dir, toy_dataset, tmp_path):
+    """`value_model/` folders (and PEFT checkpoints' critics) written when the critic was a
+    `...ForTokenClassification(num_labels=1)` have the critic's keys: they load into it, and on their own."""
+    from transformers import AutoModelForTokenClassification
+
+    from trl_ppo_variants.critic import load_critic, load_value_model
+
+    old = AutoModelForTokenClassification.from_pretrained(toy_model_dir, num_labels=1)
+    with torch.no_grad():
+        old.score.weight.normal_()
+    old.save_pretrained(tmp_path / "old_value_model")
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path)
+    load_critic(trainer.critic, str(tmp_path / "old_value_model"))
+    assert all(torch.equal(p, old.state_dict()[n]) for n, p in trainer.critic.state_dict().items())
+    ids = torch.randint(3, 30, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = old(input_ids=ids, attention_mask=mask).logits[:, -4:-1, 0]
+        assert torch.allclose(critic_values(trainer.critic, ids, mask, 3), expected, atol=1e-6)
+        loaded = load_value_model(str(tmp_path / "old_value_model"))
+        assert torch.allclose(critic_values(loaded, ids, mask, 3), expected, atol=1e-6)
+
+
 def test_critic_from_a_sequence_classification_reward_model(toy_model_dir, toy_dataset, tmp_path):
     """A reward model's scalar head (`score`, no bias) is the critic's starting head; the missing bias starts at 0."""
     from transformers import AutoModelForSequenceClassification
