@@ -626,6 +626,36 @@ def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tm
         assert keys and not any("critic" in k for k in keys)
 
 
+def test_lora_critic_warmup_with_step_rewards(toy_model_dir, toy_dataset, tmp_path):
+    """A LoRA critic warms up like a full one (the policy bit-identical during the warm-up, only the adapter and head
+    moving) and learns from step rewards (each step's reward at its last token enters the returns)."""
+    from test_vapo import Snapshots
+
+    from trl_ppo_variants.process import split_steps
+
+    def length_steps(completions, **kwargs):  # a reward per step ("1" separates steps)
+        return [[len(step) - 0.5 * j for j, step in enumerate(split_steps(c, "1"))] for c in completions]
+
+    snaps = Snapshots()
+    args = toy_args(PPOConfig, tmp_path, critic_backbone="lora", kl_in_reward_coef=0.0, max_steps=3,
+                    critic_warmup_steps=1, weight_decay=0.1, step_separator="1", temperature=2.0,
+                    max_completion_length=8, critic_learning_rate=1e-2)
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset, callbacks=[snaps],
+                         step_reward_funcs=[length_steps])
+    snaps.trainer = trainer
+    trainer.train()
+    s = snaps.steps
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad and is_critic_key(n)}
+    policy = [n for n in s[0] if not is_critic_key(n)]
+    assert all(torch.equal(s[0][n], s[1][n]) for n in policy)  # the warm-up step left the policy alone
+    assert any(not torch.equal(s[1][n], s[2][n]) for n in policy)
+    assert all(not torch.equal(s[0][n], s[1][n]) for n in trained if "lora_B" in n or "score" in n)
+    frozen = [n for n in s[0] if is_critic_key(n) and n not in trained]
+    assert frozen and all(torch.equal(s[0][n], s[3][n]) for n in frozen)  # the frozen copy never moves
+    returns = [h["value/return_mean"] for h in trainer.state.log_history if "value/return_mean" in h]
+    assert max(returns) > 1.0  # step rewards (lengths) on top of the 0/1 outcome
+
+
 # ------------------------------------------------------------------------------------------------ learning
 LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 120, 1e-3, 0, 0.1
 
