@@ -350,8 +350,10 @@ class _HookLora(nn.Module):
 
     def _hook(self, key, module, args, output):
         a, b = self.lora_A[key], self.lora_B[key]
-        x = args[0].to(a.weight.dtype)
-        return output + (b(a(x)) * self.scaling).to(output.dtype)
+        delta = b(a(args[0].to(a.weight.dtype)))
+        # in place: one temporary of the layer's output size instead of three (the frozen layer's backward does not
+        # need its output)
+        return output.add_(delta.to(output.dtype), alpha=self.scaling)
 
     @contextlib.contextmanager
     def applied(self):
@@ -859,7 +861,8 @@ def skip_critic_params(named_params):
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """`1 - Var[R - V] / Var[R]` over the valid entries (NaN when the returns have no variance).
+    """`1 - Var[R - V] / Var[R]` over the valid entries (NaN when the returns have no variance: a batch whose rewards
+    are all equal, where rounding alone would otherwise give values like -6e13).
 
     Args:
         values, returns, mask: (N, T)
@@ -876,6 +879,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
         return (((x - mean) * m) ** 2).sum() / count
 
     var_r = var(r)
-    if var_r <= 0:
+    if var_r <= 1e-10 * (1.0 + ((r * m).sum() / count) ** 2):
         return torch.tensor(float("nan"))
     return 1.0 - var(diff) / var_r
