@@ -109,7 +109,8 @@ class Task:
 
 #: the rows of the real-model table: every trainer and the KL-in-reward comparison (a step is ~100x the toy's)
 SMOLLM2_ROWS = ["grpo", "trl_rloo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
-                "ttrl", "grpo_ref", "trl_rloo_ref", "rloo_ref", "rloo_ref_forward", "reinforce_pp_ref", "ppo_ref"]
+                "ttrl", "grpo_ref", "trl_rloo_ref", "rloo_ref", "rloo_ref_forward", "reinforce_pp_ref", "ppo_ref",
+                "ppo_lora_ref", "vapo_lora"]
 
 TASKS = {
     "toy": Task("toy", lambda a: "Toy task, tiny Qwen3 (hidden 64, 2 layers)", {}),
@@ -135,6 +136,9 @@ def parse_args(argv=None):
                    help="comma-separated row names (grpo is always added); known: " + ", ".join(algos.ALL))
     p.add_argument("--no-ref", action="store_true", help="skip the rows with a reference model (beta = 0.04)")
     p.add_argument("--no-memory", action="store_true", help="skip the per-configuration RSS subprocesses")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only the memory runs: write memory.json and print each row's trainer RSS and its ratio to "
+                        "its baseline row (no timing)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 warm-up + 4 measured steps, 2 memory steps, no reference rows")
@@ -641,6 +645,19 @@ def plot(curves, accuracy, labels, path):
     plt.close(fig)
 
 
+def memory_table(rows, memory) -> dict:
+    """Print each row's trainer RSS (VmHWM above the RSS after imports) and its ratio to its baseline row's."""
+    for algo in rows:
+        mem, base = memory.get(algo.name, {}), memory.get(algo.baseline, {})
+        if "delta_mb" not in mem:
+            print(f"{algo.label}: {mem.get('error', 'not measured')}")
+            continue
+        ratio = f" ({mem['delta_mb'] / base['delta_mb']:.2f}x {algos.ALL[algo.baseline].label})" \
+            if "delta_mb" in base and algo.baseline != algo.name else ""
+        print(f"{algo.label}: trainer RSS {mem['delta_mb']:.0f} MB{ratio}, peak {mem['peak_mb']:.0f} MB")
+    return memory
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -680,6 +697,8 @@ def main(argv=None):
             memory = measure_memory(available, args, argv, mem_dir, work)
             with open(os.path.join(args.out, "memory.json"), "w") as f:  # kept if the timing fails
                 json.dump(memory, f, indent=1)
+        if args.memory_only:
+            return memory_table(rows, memory)
         steppers, curves, skipped, by_name = {}, {}, dict(missing), {}
         groups = timing_groups(available, args.group_size)
         for i, group in enumerate(groups):

@@ -9,7 +9,7 @@ from conftest import logged_rewards, quarter_means, toy_args
 from safetensors import safe_open
 
 from trl_ppo_variants.advantages import masked_whiten
-from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.critic import critic_parameters, critic_values, is_critic_key
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.ppo import GROUP_ROLE, PPOConfig, PPOTrainer
 
@@ -72,7 +72,9 @@ def test_config_defaults(tmp_path):
 def test_critic_is_a_submodule_initialised_from_the_policy(toy_model_dir, toy_dataset, tmp_path):
     trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, critic_learning_rate=5e-4, weight_decay=0.01)
     critic = trainer.model.critic
-    assert type(critic).__name__ == "Qwen3ForTokenClassification" and critic.config.num_labels == 1
+    # the causal LM's own base model (Qwen3Model) plus a scalar head, not a ...ForTokenClassification
+    assert type(critic).__name__ == "ValueModel" and type(critic.model).__name__ == "Qwen3Model"
+    assert critic.config.num_labels == 1 and critic.score.out_features == 1
     policy_backbone = trainer.model.model.state_dict()
     for name, tensor in critic.model.state_dict().items():
         assert torch.equal(tensor, policy_backbone[name]), name
@@ -120,6 +122,114 @@ def test_critic_from_value_model_path(toy_model_dir, toy_dataset, tmp_path):
     trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=str(tmp_path / "vm"))
     assert trainer.critic.score.bias.item() == 7.0
     assert torch.equal(trainer.critic.score.weight, value_model.score.weight)
+
+
+def test_value_model_saved_before_loads_into_the_critic(toy_model_dir, toy_dataset, tmp_path):
+    """`value_model/` folders (and PEFT checkpoints' critics) written when the critic was a
+    `...ForTokenClassification(num_labels=1)` have the critic's keys: they load into it, and on their own."""
+    from transformers import AutoModelForTokenClassification
+
+    from trl_ppo_variants.critic import load_critic, load_value_model
+
+    old = AutoModelForTokenClassification.from_pretrained(toy_model_dir, num_labels=1)
+    with torch.no_grad():
+        old.score.weight.normal_()
+    old.save_pretrained(tmp_path / "old_value_model")
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path)
+    load_critic(trainer.critic, str(tmp_path / "old_value_model"))
+    assert all(torch.equal(p, old.state_dict()[n]) for n, p in trainer.critic.state_dict().items())
+    ids = torch.randint(3, 30, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = old(input_ids=ids, attention_mask=mask).logits[:, -4:-1, 0]
+        assert torch.allclose(critic_values(trainer.critic, ids, mask, 3), expected, atol=1e-6)
+        loaded = load_value_model(str(tmp_path / "old_value_model"))
+        assert torch.allclose(critic_values(loaded, ids, mask, 3), expected, atol=1e-6)
+
+
+def test_critic_from_a_sequence_classification_reward_model(toy_model_dir, toy_dataset, tmp_path):
+    """A reward model's scalar head (`score`, no bias) is the critic's starting head; the missing bias starts at 0."""
+    from transformers import AutoModelForSequenceClassification
+
+    reward_model = AutoModelForSequenceClassification.from_pretrained(toy_model_dir, num_labels=1)
+    reward_model.save_pretrained(tmp_path / "rm")
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=str(tmp_path / "rm"))
+    assert torch.equal(trainer.critic.score.weight, reward_model.score.weight)
+    assert torch.count_nonzero(trainer.critic.score.bias) == 0
+    for name, tensor in reward_model.model.state_dict().items():
+        assert torch.equal(trainer.critic.model.state_dict()[name], tensor), name
+
+
+def test_value_model_path_without_a_head_gets_the_scaled_init(toy_model_dir, toy_dataset, tmp_path):
+    """`value_model_path` pointing at a causal LM (here the policy's own checkpoint) holds no value head: the new one
+    starts at N(0, 1/(d+1)) with a zero bias, as from the policy (issue 19: transformers' N(0, 0.02) was kept)."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, value_model_path=toy_model_dir)
+    head = trainer.critic.score
+    assert abs(head.weight.std().item() * (head.in_features + 1) - 1.0) < 0.15
+    assert torch.count_nonzero(head.bias) == 0
+    policy_backbone = trainer.model.model.state_dict()
+    for name, tensor in trainer.critic.model.state_dict().items():
+        assert torch.equal(tensor, policy_backbone[name]), name
+
+
+def _cohere2_checkpoint(path):
+    """A tiny Cohere2 causal LM (an architecture transformers has no `...ForTokenClassification` for) on the toy
+    tokenizer, saved offline."""
+    from transformers import AutoModelForCausalLM, Cohere2Config
+
+    from trl_ppo_variants.toy import build_tokenizer
+
+    tok = build_tokenizer()
+    config = Cohere2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                           sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                           pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("critic_backbone", ["full", "lora"])
+def test_critic_for_an_architecture_without_token_classification(toy_dataset, tmp_path, critic_backbone):
+    """Cohere2 has no `AutoModelForTokenClassification` class (issue 22: "Unrecognized configuration class"): the
+    critic is the causal LM's own base model plus our head, trains, and its export loads on its own."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+
+    assert "cohere2" not in MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
+    model_dir = _cohere2_checkpoint(tmp_path / "cohere2")
+    trainer = _trainer(model_dir, toy_dataset, tmp_path, critic_backbone=critic_backbone, critic_learning_rate=1e-2)
+    assert type(trainer.critic.backbone).__name__ == "Cohere2Model"
+    before = {n: p.detach().clone() for n, p in trainer.critic.named_parameters() if p.requires_grad}
+    trainer.train()
+    assert all(torch.isfinite(torch.tensor(h["value/loss"])) for h in trainer.state.log_history if "value/loss" in h)
+    assert not torch.equal(before["score.weight"], trainer.critic.score.weight)
+    trainer.save_model(str(tmp_path / "export"))
+    from trl_ppo_variants.critic import load_value_model
+
+    loaded = load_value_model(str(tmp_path / "export" / "value_model"))
+    ids = torch.randint(3, 30, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        assert torch.equal(critic_values(loaded, ids, mask, 3), critic_values(trainer.critic.eval(), ids, mask, 3))
+
+
+def test_sync_ref_model_syncs_from_the_policy_alone(toy_model_dir, toy_dataset, tmp_path):
+    """`sync_ref_model=True` (issue 22: "zip() argument 2 is longer than argument 1", the critic's parameters paired
+    with the reference model's): with mixup alpha 1 the reference equals the policy after every step."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, kl_in_reward_coef=0.05, sync_ref_model=True,
+                       ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, max_steps=2)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    reference = dict(trainer.ref_model.named_parameters())
+    policy = {n: p for n, p in trainer.model.named_parameters() if not n.startswith("critic.")}
+    assert reference.keys() == policy.keys()
+    assert all(torch.equal(reference[n], p) for n, p in policy.items())
+    assert not torch.equal(reference["model.norm.weight"], _trainer(toy_model_dir, toy_dataset, tmp_path / "fresh")
+                           .model.model.norm.weight)  # it moved with the policy
 
 
 # ------------------------------------------------------------------------------------------------ rollout targets
@@ -214,6 +324,49 @@ def test_loss_adds_the_value_term_and_the_dual_clip_correction(toy_model_dir, to
         assert trainer._metrics["train"][key], key
 
 
+def test_value_loss_is_the_mean_over_the_value_targets(toy_model_dir, toy_dataset, tmp_path):
+    """The value loss's normaliser is the number of tokens with a value target (`value_mask`), not all loss tokens
+    (`num_items_in_batch`): completions whose reward is None have no target and must not dilute it (issue 19)."""
+    def reward(completions, answer, **kwargs):
+        return [None, None] + addition_reward(completions, answer)[2:]  # two unscorable completions
+
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, reward=reward)
+    batch = _rollout(trainer, toy_dataset)
+    value_mask, mask = batch["value_mask"], batch["completion_mask"].float()
+    assert value_mask.sum() < mask.sum()
+
+    def loss(vf):
+        trainer.args.vf_coef = vf
+        with torch.no_grad():
+            return trainer._compute_loss(trainer.model, dict(batch)).item()
+
+    # V = V_old before any update: 0.5 (V - R)^2 over the targets, divided by their number
+    expected = (0.5 * (batch["old_values"] - batch["returns"]) ** 2 * value_mask).sum() / value_mask.sum()
+    assert loss(1.0) - loss(0.0) == pytest.approx(expected.item(), rel=1e-5)
+    assert batch["num_value_tokens"] == value_mask.sum()
+
+
+def test_value_tokens_are_counted_per_optimizer_step(toy_model_dir, toy_dataset, tmp_path):
+    """Two optimizer steps per generation batch: `num_value_tokens` is each step's own count, as `num_items_in_batch`
+    (TRL's "dapo" normaliser divides it by processes x accumulation / steps_per_generation = 1/2 here)."""
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, per_device_train_batch_size=2, num_generations=2,
+                       steps_per_generation=2)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]])
+    value_mask = mask * torch.tensor([[1], [1], [0], [1]])  # steps of 6 and 3 value tokens
+    batch = {"prompt_ids": torch.ones(4, 2, dtype=torch.long), "prompt_mask": torch.ones(4, 2, dtype=torch.long),
+             "completion_ids": torch.ones(4, 4, dtype=torch.long), "completion_mask": mask,
+             "advantages": torch.zeros(4, 4), "value_mask": value_mask.float(),
+             "num_items_in_batch": mask.sum(), "num_value_tokens": value_mask.sum()}
+    trainer._generate_and_score_completions = lambda inputs: dict(batch)
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    for step in range(2):
+        trainer._step = step
+        inputs = trainer._prepare_inputs([{}])
+        assert inputs["num_value_tokens"] / 2 == inputs["value_mask"].sum()
+        assert inputs["num_items_in_batch"] / 2 == inputs["completion_mask"].sum()
+
+
 # ------------------------------------------------------------------------------------------------ critic warm-up
 def test_critic_warmup_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_path):
     """`critic_warmup_steps=2` of 4 (VAPO's value pre-training, one implementation): during the warm-up the policy is
@@ -235,6 +388,26 @@ def test_critic_warmup_freezes_the_policy_only(toy_model_dir, toy_dataset, tmp_p
     state = trainer.optimizer.state
     assert state[trainer.model.model.embed_tokens.weight]["step"].item() == 2
     assert state[trainer.critic.model.embed_tokens.weight]["step"].item() == 4
+
+
+@pytest.mark.parametrize("algo, field", [("ppo", "critic_warmup_steps"), ("vapo", "value_pretrain_steps")])
+def test_critic_warmup_longer_than_an_epoch_run_is_refused(toy_model_dir, tmp_path, algo, field):
+    """A run whose length comes from `num_train_epochs` (4 optimizer steps here), not `max_steps`: a warm-up of 4
+    steps would train only the critic and end normally with the policy unchanged (issue 22). Refused before the first
+    step, naming the field and the run's real length."""
+    from trl_ppo_variants.toy import addition_dataset
+    from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
+
+    config_cls, trainer_cls = (PPOConfig, PPOTrainer) if algo == "ppo" else (VAPOConfig, VAPOTrainer)
+    args = toy_args(config_cls, tmp_path, max_steps=-1, num_train_epochs=1, kl_in_reward_coef=0.0, **{field: 4})
+    trainer = trainer_cls(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(8, seed=0))
+    with pytest.raises(ValueError, match=f"^{field}: expected fewer than the run's 4 optimizer steps"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    args = toy_args(config_cls, tmp_path, max_steps=-1, num_train_epochs=1, kl_in_reward_coef=0.0, **{field: 3})
+    trainer = trainer_cls(toy_model_dir, addition_reward, args=args, train_dataset=addition_dataset(8, seed=0))
+    trainer.train()
+    assert trainer.state.global_step == 4
 
 
 def test_without_critic_warmup_the_scheduler_is_transformers(toy_model_dir, toy_dataset, tmp_path):
@@ -291,18 +464,219 @@ def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_d
     assert not os.path.exists(tmp_path / "export2" / "value_model")
 
 
+# ------------------------------------------------------------------------------------------------ LoRA critic
+LORA_MODES = ["copy", "reference", "policy_adapter"]
+
+
+def _lora_trainer(model_dir, dataset, tmp_path, mode, **overrides):
+    """A PPO trainer with `critic_backbone="lora"` whose frozen weights come from `mode`: a frozen copy (no KL, so no
+    reference model), the reference model (PPO's default KL in the reward loads one) or the PEFT policy's base."""
+    kwargs = {}
+    if mode == "policy_adapter":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    overrides = {"critic_backbone": "lora", "kl_in_reward_coef": 0.0 if mode == "copy" else 0.05, **overrides}
+    trainer = PPOTrainer(model_dir, addition_reward, args=toy_args(PPOConfig, tmp_path, **overrides),
+                         train_dataset=dataset, **kwargs)
+    assert trainer.critic_base == mode
+    return trainer
+
+
+@pytest.mark.parametrize("mode", LORA_MODES)
+def test_lora_critic_trains_an_adapter_and_a_head_only(toy_model_dir, toy_dataset, tmp_path, mode):
+    """The critic's trainable parameters are its LoRA adapter (every linear layer of the backbone) and its head, in the
+    optimizer's critic groups; the frozen weights have no gradient. With gradient checkpointing (TRL's default) the
+    backward replays the critic's layers with its adapter on: the gradients equal those without checkpointing."""
+    trainer = _lora_trainer(toy_model_dir, toy_dataset, tmp_path, mode)
+    critic = trainer.critic
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad and is_critic_key(n)}
+    adapters = {n for n in trainable if "lora_A" in n or "lora_B" in n}
+    assert trainable - adapters == {n for n in trainable if n.endswith(("critic.score.weight", "critic.score.bias"))}
+    assert len(adapters) == 2 * 7 * 2  # A and B on the 7 projections of each of the 2 layers
+    frozen_critic = [n for n, p in trainer.model.named_parameters() if is_critic_key(n) and not p.requires_grad]
+    assert (len(frozen_critic) > 0) == (mode == "copy")  # only a frozen copy is the critic's own (registered) module
+    if mode == "reference":
+        assert critic.backbone is trainer.ref_model.model
+        assert not any(p.requires_grad for p in trainer.ref_model.parameters())
+    trainer.create_optimizer()
+    in_critic_groups = {id(p) for g in trainer.optimizer.param_groups if g[GROUP_ROLE] == "critic" for p in g["params"]}
+    assert in_critic_groups == {id(p) for p in critic_parameters(trainer.model)}
+
+    torch.manual_seed(0)
+    ids = torch.randint(3, 30, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    with torch.no_grad():  # an adapter that is not the identity, so that a missed replay would show
+        for name in adapters:
+            dict(trainer.model.named_parameters())[name].normal_(0.0, 0.1)
+    grads = []
+    for checkpointing in (False, True):
+        trainer.model.train()
+        if checkpointing:
+            trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        else:
+            trainer.model.gradient_checkpointing_disable()
+        trainer.model.zero_grad()
+        values = critic_values(critic, ids, mask, 5)
+        logits = trainer.model(input_ids=ids, attention_mask=mask).logits
+        (values.pow(2).sum() + logits.float().pow(2).mean()).backward()
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and adapters <= grads[0].keys()
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    assert all(grads[0][n].abs().sum() > 0 for n in adapters)
+
+
+def _logps(trainer, model, ids, mask):
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(model, ids, mask, 4)[0]
+
+
+@pytest.mark.parametrize("mode", ["reference", "policy_adapter"])
+def test_shared_weights_never_change_the_reference_or_the_policy(toy_model_dir, toy_dataset, tmp_path, mode):
+    """The critic shares frozen weights with the reference model (full fine-tuning) or with the policy (its PEFT base):
+    the reference's and the policy's outputs are bit-equal before and after a critic update, the critic's are not;
+    after two training steps the reference's outputs are still bit-equal (the adapter never leaks into its forward)."""
+    from trl.trainer.utils import use_adapter
+
+    trainer = _lora_trainer(toy_model_dir, toy_dataset, tmp_path, mode, max_steps=2, critic_learning_rate=1e-2)
+    trainer.model.train()
+    torch.manual_seed(0)
+    ids = torch.randint(3, 30, (4, 10))
+    mask = torch.ones_like(ids)
+
+    def reference():
+        if mode == "reference":
+            return _logps(trainer, trainer.ref_model, ids, mask)
+        with use_adapter(trainer.model, adapter_name=None):  # TRL's reference for a PEFT policy
+            return _logps(trainer, trainer.model, ids, mask)
+
+    ref_before, policy_before = reference(), _logps(trainer, trainer.model, ids, mask)
+    with torch.no_grad():
+        values_before = critic_values(trainer.critic, ids, mask, 4)
+    params = critic_parameters(trainer.model)
+    optimizer = torch.optim.SGD(params, lr=1.0)
+    for _ in range(2):  # a critic update, through the checkpointed backward
+        trainer.model.zero_grad()
+        (critic_values(trainer.critic, ids, mask, 4) - 1.0).pow(2).mean().backward()
+        optimizer.step()
+    no_grad = [n for n, p in trainer.model.named_parameters() if p.grad is not None and not is_critic_key(n)]
+    assert no_grad == []  # the policy's parameters got no gradient from the critic
+    if mode == "reference":
+        assert all(p.grad is None for p in trainer.ref_model.parameters())
+    else:  # PEFT's adapter switch is undone: the policy's adapter is active, both adapters still train
+        assert trainer.model.active_adapter == "default"
+        assert all(p.requires_grad for n, p in trainer.model.named_parameters() if "lora_" in n)
+    with torch.no_grad():
+        assert not torch.allclose(critic_values(trainer.critic, ids, mask, 4), values_before)
+    assert torch.equal(reference(), ref_before)
+    assert torch.equal(_logps(trainer, trainer.model, ids, mask), policy_before)
+
+    trainer.train()  # the policy trains; the reference stays what it was
+    assert torch.equal(reference(), ref_before)
+    assert not torch.equal(_logps(trainer, trainer.model, ids, mask), policy_before)
+
+
+@pytest.mark.parametrize("mode", LORA_MODES)
+def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tmp_path, mode):
+    """A checkpoint holds the adapter and the head (the full model's `critic.*`, or PEFT's `value_model/`), and resuming
+    from it ends where the uninterrupted run ends, bit for bit (policy and critic); the exported `value_model/` is the
+    adapter and the head and loads on its own (`load_value_model`) to the same values."""
+    from transformers import TrainerCallback
+
+    from trl_ppo_variants.critic import load_value_model
+
+    class StopAfterOne(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    run = dict(max_steps=2, save_strategy="steps", save_steps=1, critic_learning_rate=1e-2)
+    full = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "full", mode, **run)
+    full.train()
+    first = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "a", mode, **run)
+    first.add_callback(StopAfterOne())
+    first.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
+    if mode == "policy_adapter":  # PEFT's own save leaves the critic's adapter out
+        assert not (checkpoint / "critic").exists()
+        assert not any(".critic" in k for k in _keys(checkpoint / "adapter_model.safetensors"))
+        assert {"value_adapter.safetensors", "value_head.safetensors"} <= set(os.listdir(checkpoint / "value_model"))
+    else:
+        keys = [k for k in _keys(checkpoint / "model.safetensors") if k.startswith("critic.")]
+        assert any(".lora_A." in k for k in keys) and "critic.score.weight" in keys
+        assert any(k.startswith("critic.model.") for k in keys) == (mode == "copy")  # never the reference's weights
+    resumed = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "b", mode, **run)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    final = dict(full.model.named_parameters())
+    for name, param in resumed.model.named_parameters():
+        assert torch.equal(param, final[name]), name
+
+    full.save_model(str(tmp_path / "export"))
+    value_dir = tmp_path / "export" / "value_model"
+    files = set(os.listdir(value_dir))  # the adapter, the head, their config and the tokenizer (loads on its own)
+    assert {"value_adapter.safetensors", "value_head.safetensors", "config.json", "tokenizer_config.json"} <= files
+    assert not {"model.safetensors", "adapter_model.safetensors"} & files, files  # never the frozen base's weights
+    loaded = load_value_model(str(value_dir))
+    ids = torch.randint(3, 30, (2, 8))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        full.model.eval()
+        assert torch.allclose(critic_values(loaded, ids, mask, 4), critic_values(full.critic, ids, mask, 4), atol=1e-6)
+    if mode == "policy_adapter":  # the exported policy is the policy's adapter alone
+        assert not (tmp_path / "export" / "critic").exists()
+        keys = _keys(tmp_path / "export" / "adapter_model.safetensors")
+        assert keys and not any("critic" in k for k in keys)
+
+
+def test_lora_critic_warmup_with_step_rewards(toy_model_dir, toy_dataset, tmp_path):
+    """A LoRA critic warms up like a full one (the policy bit-identical during the warm-up, only the adapter and head
+    moving) and learns from step rewards (each step's reward at its last token enters the returns)."""
+    from test_vapo import Snapshots
+
+    from trl_ppo_variants.process import split_steps
+
+    def length_steps(completions, **kwargs):  # a reward per step ("1" separates steps)
+        return [[len(step) - 0.5 * j for j, step in enumerate(split_steps(c, "1"))] for c in completions]
+
+    snaps = Snapshots()
+    args = toy_args(PPOConfig, tmp_path, critic_backbone="lora", kl_in_reward_coef=0.0, max_steps=3,
+                    critic_warmup_steps=1, weight_decay=0.1, step_separator="1", temperature=2.0,
+                    max_completion_length=8, critic_learning_rate=1e-2)
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset, callbacks=[snaps],
+                         step_reward_funcs=[length_steps])
+    snaps.trainer = trainer
+    trainer.train()
+    s = snaps.steps
+    trained = {n for n, p in trainer.model.named_parameters() if p.requires_grad and is_critic_key(n)}
+    policy = [n for n in s[0] if not is_critic_key(n)]
+    assert all(torch.equal(s[0][n], s[1][n]) for n in policy)  # the warm-up step left the policy alone
+    assert any(not torch.equal(s[1][n], s[2][n]) for n in policy)
+    assert all(not torch.equal(s[0][n], s[1][n]) for n in trained if "lora_B" in n or "score" in n)
+    frozen = [n for n in s[0] if is_critic_key(n) and n not in trained]
+    assert frozen and all(torch.equal(s[0][n], s[3][n]) for n in frozen)  # the frozen copy never moves
+    returns = [h["value/return_mean"] for h in trainer.state.log_history if "value/return_mean" in h]
+    assert max(returns) > 1.0  # step rewards (lengths) on top of the 0/1 outcome
+
+
 # ------------------------------------------------------------------------------------------------ learning
-LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 60, 1e-3, 0, 0.1
+LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 120, 1e-3, 0, 0.1
 
 
-@pytest.mark.timeout(180)
-def test_ppo_learns(tmp_path, toy_model_dir):
-    """Seeded: the mean sampled reward of the last quarter of the steps beats the first quarter by a margin
-    (measured: 0.25 -> 0.41)."""
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("critic_backbone", ["full", "lora"])
+def test_ppo_learns(tmp_path, toy_model_dir, critic_backbone):
+    """Seeded: the mean sampled reward of the last quarter of the steps beats the first quarter by a margin. Measured
+    over seeds 0-7 (gain: mean [min, max]): full critic +0.21 [0.14, 0.29], seed 0 +0.29; LoRA critic (a frozen copy
+    here: no KL, so no reference model) +0.20 [0.12, 0.24], seed 0 +0.24.
+
+    120 steps, not 60: a quarter of 60 steps is 240 samples, whose mean has a standard error of ~0.03, so the gain of
+    one seed varied by +-0.05 around +0.13 (0.03 to 0.20 over seeds 0-7) and a 0.1 margin failed or passed with the
+    draw of the value head (it failed at seed 0 once the head's init changed, with no change to PPO's learning)."""
     from trl_ppo_variants.toy import addition_dataset
 
     args = toy_args(PPOConfig, tmp_path, max_steps=LEARN_STEPS, per_device_train_batch_size=16,
-                    learning_rate=LEARN_LR, temperature=1.0, seed=LEARN_SEED, kl_in_reward_coef=0.0)
+                    learning_rate=LEARN_LR, temperature=1.0, seed=LEARN_SEED, kl_in_reward_coef=0.0,
+                    critic_backbone=critic_backbone)
     trainer = PPOTrainer(toy_model_dir, addition_reward, args=args,
                          train_dataset=addition_dataset(16 * LEARN_STEPS, seed=LEARN_SEED))
     trainer.train()

@@ -112,6 +112,10 @@ def test_explained_variance_hand_example():
     # V = [1.5, 2.5]: R - V = [-0.5, 0.5], Var = 0.25 -> 1 - 0.25 / 1
     assert explained_variance(torch.tensor([[1.5, 2.5, 0.0]]), returns, mask).item() == pytest.approx(0.75)
     assert math.isnan(explained_variance(returns, torch.ones(1, 3), mask).item())
+    # equal returns whose variance rounding makes ~1e-17 instead of 0 (all-wrong batches on the real model logged -6e13)
+    torch.manual_seed(0)
+    flat = torch.full((16, 24), 0.1) + torch.randn(16, 24) * 1e-9
+    assert math.isnan(explained_variance(torch.randn(16, 24) * 0.05, flat, torch.ones(16, 24)).item())
 
 
 def test_critic_keys_are_split_and_filtered():

@@ -136,8 +136,9 @@ def evaluate(model, tokenizer, heldout, args, seed: int, samples: int) -> float:
                             temperature=args.temperature, max_new_tokens=args.max_completion_length, seed=seed)
 
 
-def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
-    """Train a fresh copy of the model with `algo`; its row of the table (accuracy after, s/step, curve)."""
+def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dict:
+    """Train a fresh copy of the model with `algo` (config fields `overrides` on top of its settings); its row of the
+    table (accuracy after, s/step, curve, and for a critic its explained variance per step)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
@@ -145,7 +146,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     from .smollm2 import word_problem_dataset, word_problem_reward
 
     _, trainer_cls = trainer_classes(algo)
-    args = training_args(algo, opts.steps, opts.seed, opts.output_dir)
+    args = training_args(algo, opts.steps, opts.seed, opts.output_dir, **overrides)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
@@ -171,6 +172,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar) -> dict:
     return {"algorithm": algo, "after": after, "sec_per_step": seconds / steps_done, "steps": steps_done,
             "curve": [e.get(TASK_REWARD_KEY, e["reward"]) for e in history if "reward" in e],
             "clipped_ratio": [e["completions/clipped_ratio"] for e in history if "completions/clipped_ratio" in e],
+            "explained_variance": [e.get("value/explained_variance") for e in history if "value/loss" in e],
             "temperature": args.temperature}
 
 

@@ -1,7 +1,11 @@
 """2-process VAPO run with the critic attached to the policy (DDP, DeepSpeed ZeRO-2 or ZeRO-3: the launcher decides).
 
 Usage: accelerate launch [--config_file tests/configs/critic_zero{2,3}.yaml | --multi_gpu] --num_processes 2 ...
-       critic_two_process.py MODEL_DIR OUT_DIR
+       critic_two_process.py MODEL_DIR OUT_DIR [full | lora | lora-reference | lora-peft]
+
+The critic: "full" (default), or a LoRA critic over a frozen copy ("lora": VAPO has no KL, so no reference model), over
+the reference model's weights ("lora-reference": a KL in the reward loads one) or as a second adapter of a LoRA policy
+("lora-peft").
 
 3 optimizer steps, the first one value pre-training (weight decay on, to check that the frozen policy does not decay);
 the number of optimizer-state entries dropped when pre-training ends is recorded (ZeRO keys them by flat partitions).
@@ -21,6 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import TrainerCallback  # noqa: E402
 
+from trl_ppo_variants.critic import is_critic_key  # noqa: E402
 from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
 from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer  # noqa: E402
 
@@ -39,12 +44,19 @@ def fingerprints(trainer) -> dict:
         gather.__enter__()
     try:
         for name, param in params:
-            part = "critic" if name.startswith("critic.") else "policy"
+            part = "critic" if is_critic_key(name) else "policy"
             digests[part].update(param.detach().float().cpu().numpy().tobytes())
     finally:
         if gather is not None:
             gather.__exit__(None, None, None)
-    return {k: v.hexdigest() for k, v in digests.items()}
+    out = {k: v.hexdigest() for k, v in digests.items()}
+    ref = trainer.ref_model
+    if ref is not None and not any(hasattr(p, "ds_id") for p in ref.parameters()):  # the reference must never move
+        digest = hashlib.sha256()
+        for param in ref.parameters():
+            digest.update(param.detach().float().cpu().numpy().tobytes())
+        out["reference"] = digest.hexdigest()
+    return out
 
 
 class Record(TrainerCallback):
@@ -61,15 +73,25 @@ class Record(TrainerCallback):
 
 def main():
     model_dir, out_dir = sys.argv[1], sys.argv[2]
+    critic = sys.argv[3] if len(sys.argv) > 3 else "full"
+    extra, kwargs = {}, {}
+    if critic != "full":
+        extra["critic_backbone"] = "lora"
+    if critic == "lora-reference":
+        extra["kl_in_reward_coef"] = 0.05
+    if critic == "lora-peft":
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     args = VAPOConfig(
         output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=4, max_steps=3, learning_rate=1e-3, critic_learning_rate=1e-3, weight_decay=0.1,
         value_pretrain_steps=1, length_adaptive_alpha=1.0, logging_steps=1, report_to=[], seed=0,
-        save_strategy="steps", save_steps=3, disable_tqdm=True, beta=0.0, temperature=1.0, use_cpu=True,
+        save_strategy="steps", save_steps=3, disable_tqdm=True, beta=0.0, temperature=1.0, use_cpu=True, **extra,
     )
     record = Record()
     trainer = VAPOTrainer(model_dir, addition_reward, args=args, train_dataset=addition_dataset(64),
-                          callbacks=[record])
+                          callbacks=[record], **kwargs)
     record.trainer = trainer
     resets = []
     reset = trainer._reset_policy_optimizer_state
@@ -90,6 +112,7 @@ def main():
         "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
         if trainer.is_deepspeed_enabled else None,
         "global_step": trainer.state.global_step,
+        "critic_base": trainer.critic_base,
         "steps": record.steps,
         "policy_state_entries_reset": resets,
         "logs": logs,

@@ -2,15 +2,21 @@
 
 On top of `GRPOTrainer`'s generation, rewards, vLLM and PEFT:
 
-- a critic (see `critic.py`): its own backbone plus a scalar head, attached to the policy as `policy.critic`, so that
-  DDP and DeepSpeed ZeRO-2/3 prepare one model and one optimizer, and checkpoints hold it;
+- a critic (see `critic.py`): a backbone plus a scalar head, attached to the policy as `policy.critic`, so that DDP
+  and DeepSpeed ZeRO-2/3 prepare one model and one optimizer, and checkpoints hold it. `critic_backbone="full"` trains
+  a copy of the backbone; `"lora"` trains a LoRA adapter over frozen weights shared with the PEFT policy's base model
+  or the reference model where there is one (else a frozen copy): the critic then costs an adapter and a head;
 - rollout: the critic's values of the sampling-time state (no grad) travel in the batch ("old_values"); token rewards
   are the outcome at the last valid token minus `kl_in_reward_coef * k1` at every token (base's `reference_kl`);
   GAE (`advantages.gae`) gives advantages and returns; advantages are whitened over the valid tokens of the whole
   generation batch, across processes (`needs_global_batch`); returns travel in the batch ("returns", "value_mask");
 - loss: `GRPOTrainer`'s PPO-clip policy loss (Clip-Higher through `epsilon_high`; dual-clip through `clip_ratio_c`,
-  shared by every trainer in `base.py`), plus `vf_coef` times the clipped value loss, reduced over the valid tokens the
-  way `loss_type` reduces the policy loss (`losses.aggregate_token_loss`).
+  shared by every trainer in `base.py`), plus `vf_coef` times the clipped value loss, reduced the way `loss_type`
+  reduces the policy loss (`losses.aggregate_token_loss`) over the tokens that have a value target (`value_mask`: the
+  loss tokens of the completions with a reward). Its normaliser counts those tokens, not all loss tokens: for the
+  token-level loss types it is `num_value_tokens`, the value-target tokens of the optimizer step (counted like
+  `num_items_in_batch`), so the value loss is the mean over the targets and completions whose reward is None (no
+  target) do not dilute it.
 
 Optimizer. One optimizer, param groups split by owner: the critic's groups get `critic_learning_rate`; gradient
 clipping (`max_grad_norm`) acts on the joint norm, which `vf_coef` keeps from being dominated by the critic.
@@ -40,17 +46,22 @@ from typing import ClassVar
 
 import torch
 from accelerate.utils import is_peft_model
+from trl.trainer.callbacks import SyncRefModelCallback
 
 from .. import selection
 from ..advantages import gae, masked_mean, masked_whiten, token_rewards_from_outcome
 from ..critic import (
+    CRITIC_BACKBONES,
     VALUE_MODEL_DIR,
+    unwrap_module,
     attach_critic,
     build_critic,
+    critic_parameters,
     critic_values,
     detached_critic,
     explained_variance,
     get_critic,
+    is_critic_key,
     load_critic,
     policy_module,
     save_critic,
@@ -86,8 +97,22 @@ class PPOConfig(StepRewardFields, VariantConfig):
 
     Parameters:
         value_model_path (`str` or `None`, *optional*, defaults to `None`):
-            Checkpoint to initialise the critic from (loaded with `AutoModelForTokenClassification`,
-            `num_labels=1`), e.g. a reward model. `None`: the policy's own weights with a new scalar head.
+            Checkpoint to initialise the critic from: its base model, and its scalar head when it holds one (`score`,
+            `classifier`, or TRL's former `v_head.summary`, with one output), e.g. a value or reward model; a head it
+            does not hold starts near zero. `None`: the policy's own weights with a new scalar head.
+        critic_backbone (`str`, *optional*, defaults to `"full"`):
+            `"full"`: the critic trains a copy of the backbone (its own gradients and optimizer state). `"lora"`: a
+            LoRA adapter over frozen base weights, plus the head: with a PEFT (LoRA) policy, a second adapter on the
+            policy's own base model; with a full-fine-tuning policy and a reference model (PPO's default KL in the
+            reward loads one), the reference model's weights; otherwise (no reference, `sync_ref_model=True`,
+            `value_model_path`, DeepSpeed ZeRO-3) a frozen copy. The trainer's `critic_base` says which.
+        critic_lora_r (`int`, *optional*, defaults to `16`):
+            Rank of the LoRA critic's adapter.
+        critic_lora_alpha (`float`, *optional*, defaults to `32`):
+            LoRA alpha of the critic's adapter (its scale is `alpha / r`).
+        critic_lora_target_modules (`list[str]` or `None`, *optional*, defaults to `None`):
+            Linear layers of the backbone the critic's adapter covers (names as PEFT matches them); `None`: every
+            linear layer of the backbone ("all-linear").
         vf_coef (`float`, *optional*, defaults to `0.1`):
             Weight of the value loss in the total loss.
         critic_learning_rate (`float` or `None`, *optional*, defaults to `None`):
@@ -115,6 +140,16 @@ class PPOConfig(StepRewardFields, VariantConfig):
     value_model_path: str | None = field(
         default=None,
         metadata={"help": "Checkpoint to initialise the critic from; None: the policy's weights with a new head."},
+    )
+    critic_backbone: str = field(
+        default="full",
+        metadata={"help": "'full': a trained copy of the backbone; 'lora': a LoRA adapter over frozen weights (shared "
+                          "with the PEFT policy's base or the reference model where possible) plus the head."},
+    )
+    critic_lora_r: int = field(default=16, metadata={"help": "Rank of the LoRA critic's adapter."})
+    critic_lora_alpha: float = field(default=32, metadata={"help": "LoRA alpha of the critic's adapter."})
+    critic_lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Linear layers the LoRA critic's adapter covers; None: every linear layer."}
     )
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     critic_learning_rate: float | None = field(
@@ -146,6 +181,13 @@ class PPOConfig(StepRewardFields, VariantConfig):
         check(0.0 <= self.gamma <= 1.0, "gamma", "a number in [0, 1]", self.gamma)
         check(0.0 <= self.lam <= 1.0, "lam", "a number in [0, 1]", self.lam)
         check(self.vf_coef >= 0, "vf_coef", "a number >= 0", self.vf_coef)
+        check(self.critic_backbone in CRITIC_BACKBONES, "critic_backbone", f"one of {CRITIC_BACKBONES}",
+              self.critic_backbone)
+        check(isinstance(self.critic_lora_r, int) and self.critic_lora_r > 0, "critic_lora_r", "an integer > 0",
+              self.critic_lora_r)
+        check(self.critic_lora_alpha > 0, "critic_lora_alpha", "a number > 0", self.critic_lora_alpha)
+        if isinstance(self.critic_lora_target_modules, str) and self.critic_lora_target_modules != "all-linear":
+            self.critic_lora_target_modules = [self.critic_lora_target_modules]
         if self.critic_learning_rate is not None:
             check(self.critic_learning_rate >= 0, "critic_learning_rate", "a number >= 0 or None",
                   self.critic_learning_rate)
@@ -200,20 +242,31 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         if self._is_vlm:
             raise NotImplementedError(f"{type(self).__name__} does not support vision-language models yet")
         self._setup_critic()
+        for callback in list(self.callback_handler.callbacks):
+            if type(callback) is SyncRefModelCallback:  # TRL's pairs every parameter of the model with the reference's
+                self.callback_handler.remove_callback(callback)
+                self.add_callback(PolicySyncRefModelCallback(ref_model=callback.ref_model,
+                                                             accelerator=callback.accelerator))
 
     # -------------------------------------------------------------------------------------------- critic setup
     def _setup_critic(self):
-        init_kwargs = {"trust_remote_code": self.args.trust_remote_code}
-        # TRL leaves the RNG seeded per process: the new value head must be the same on every rank (and the same as
-        # in a single-process run)
+        args = self.args
+        # the reference model's weights are shared by a LoRA critic, unless they move (`sync_ref_model`)
+        reference = None if self.ref_model is None or args.sync_ref_model else unwrap_module(self.ref_model)
+        # TRL leaves the RNG seeded per process: the new value head (and adapter) must be the same on every rank (and
+        # the same as in a single-process run)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.args.seed)
-            critic = build_critic(self.model, self.args.value_model_path, **init_kwargs)
+            torch.manual_seed(args.seed)
+            critic = build_critic(
+                self.model, args.value_model_path, critic_backbone=args.critic_backbone, reference=reference,
+                lora_r=args.critic_lora_r, lora_alpha=args.critic_lora_alpha,
+                lora_target_modules=args.critic_lora_target_modules, trust_remote_code=args.trust_remote_code,
+            )
         if not self.is_deepspeed_enabled:  # DeepSpeed places the engine's parameters itself
             device = next(policy_module(self.model).parameters()).device
             critic.to(device)
-        # attached after PEFT injected its adapter (TRL does that in __init__): LoRA never targets the critic, which is
-        # trained in full
+        # attached after PEFT injected its adapter (TRL does that in __init__): the policy's LoRA never targets the
+        # critic
         attach_critic(self.model, critic)
         if self.use_vllm:  # vLLM receives the policy only
             iterate = self.vllm_generation._iter_named_params
@@ -221,15 +274,21 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
 
     @property
     def critic(self):
-        """The value model (a `...ForTokenClassification` with one label)."""
+        """The value model (`critic.ValueModel` or `critic.LoraValueModel`)."""
         return get_critic(self.model)
+
+    @property
+    def critic_base(self) -> str:
+        """Where the critic's backbone weights come from: "own" (a full critic's trained copy), or for a LoRA critic
+        "policy_adapter" (the PEFT policy's base model), "reference" (the reference model's) or "copy" (frozen)."""
+        return getattr(self.critic, "base_source", "own")
 
     # -------------------------------------------------------------------------------------------- optimizer
     def create_optimizer(self, model=None):
         """Trainer's optimizer, with each param group split into the policy's and the critic's (critic lr)."""
         fresh = self.optimizer is None
         optimizer = super().create_optimizer(model)
-        critic_ids = {id(p) for p in self.critic.parameters()}
+        critic_ids = {id(p) for p in critic_parameters(self.model)}
         if not fresh:  # passed in by the user (`optimizers=`): built before the critic existed, it would never train it
             held = {id(p) for g in optimizer.param_groups for p in g["params"]}
             check(critic_ids <= held, "optimizers", "(None, None) or an optimizer holding the critic's parameters "
@@ -258,6 +317,12 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         """transformers' scheduler, except with a critic warm-up: then one `LambdaLR` with a rate per param group, the
         policy's schedule shifted to start when the warm-up ends (0 before), the critic's the plain one."""
         warmup = self.args.critic_warmup_steps
+        if warmup >= num_training_steps > 0:
+            # the run's real length, however it is set (`max_steps` is checked by the config; `num_train_epochs` only
+            # gives it here, before the first step): a warm-up as long as the run would never train the policy
+            check(False, self.args.warmup_field, f"fewer than the run's {num_training_steps} optimizer steps (from "
+                  f"num_train_epochs={self.args.num_train_epochs} or max_steps; the policy would never be trained)",
+                  warmup)
         if warmup == 0 or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
         optimizer = self.optimizer if optimizer is None else optimizer
@@ -368,7 +433,8 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
             policy_adv, _ = gae(token_rewards, old_values, valid, gamma=gamma, lam=lam_policy)
         advantages = masked_whiten(policy_adv, valid)
 
-        self._targets = {"returns": returns, "value_mask": valid, **self.extra_targets(rewards, batch, valid)}
+        self._targets = {"returns": returns, "value_mask": valid, "num_value_tokens": valid.sum(),
+                         **self.extra_targets(rewards, batch, valid)}
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["value/mean"].append(masked_mean(old_values, valid).item())
         self._metrics[mode]["value/return_mean"].append(masked_mean(returns, valid).item())
@@ -393,6 +459,12 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
             value = value[rank * rows : (rank + 1) * rows]
             output[key] = value[:, :width] if value.dim() == 2 else value
         return output
+
+    def step_token_counts(self, inputs):
+        counts = super().step_token_counts(inputs)
+        if "value_mask" in inputs:  # the value loss's token mean is over the tokens with a value target
+            counts["num_value_tokens"] = inputs["value_mask"].sum()
+        return counts
 
     # -------------------------------------------------------------------------------------------- loss
     def extra_policy_loss(self, logps, inputs, mask, aggregate) -> torch.Tensor | None:
@@ -432,7 +504,8 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         per_token_vf, vf_clipped = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], self.args.cliprange_value
         )
-        value_loss = aggregate(per_token_vf, value_mask)
+        # the mean over the value targets (see the module docstring): token-level types divide by their count
+        value_loss = aggregate(per_token_vf, value_mask, num_items_in_batch=inputs["num_value_tokens"])
         self._metrics[mode]["value/loss"].append(self._global_mean(per_token_vf, value_mask))
         self._metrics[mode]["value/clip_frac"].append(self._global_mean(vf_clipped.float(), value_mask))
 
@@ -486,6 +559,31 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"{resume_from_checkpoint} holds no critic ({VALUE_MODEL_DIR}/ is missing)")
             load_critic(self.critic, path)
+            if hasattr(self.critic, "restore_trainable"):  # PEFT's adapter loading resets which adapter trains
+                self.critic.restore_trainable()
+
+
+class PolicySyncRefModelCallback(SyncRefModelCallback):
+    """TRL's `sync_ref_model` (`ref <- (1 - alpha) ref + alpha policy` every `ref_model_sync_steps`) from the policy's
+    parameters alone: TRL's pairs every parameter of the model, whose critic the reference model does not have."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.ref_model is None or state.global_step % args.ref_model_sync_steps != 0:
+            return
+        model = kwargs["model"]
+        if self.accelerator:
+            model = self.accelerator.unwrap_model(model)
+        self.sync_target_model(_PolicyParameters(model), self.ref_model, args.ref_model_mixup_alpha)
+
+
+class _PolicyParameters:
+    """`model.parameters()` without the critic's (what `SyncRefModelCallback.sync_target_model` reads)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return [p for name, p in self.model.named_parameters() if not is_critic_key(name)]
 
 
 def _innermost_optimizer(optimizer):
