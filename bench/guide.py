@@ -45,8 +45,8 @@ PROSE_NUMBERS = {
     "remax_greedy": ("greedy reward 0.5-1.0 while the sampled reward is 0-0.38", "greedy 0.5-1.0, samples 0-0.38"),
     "ttrl_first": ("held-out accuracy from 0.042", "0.042"),
     "ttrl_first_after": ("TTRL falling (0.031)", "0.031"),
-    "process_steps": ("ends at 0.461-0.474 held-out digit accuracy", "0.461-0.474"),
-    "process_outcome": ("against 0.273-0.368 with only the exact-answer outcome reward", "0.273-0.368"),
+    "process_steps": ("ends at 0.481-0.512 held-out digit accuracy", "0.481-0.512"),
+    "process_outcome": ("against 0.081-0.391 with only the exact-answer outcome reward", "0.081-0.391"),
     "dapo_keep": ("(keep rate 0.28)", "0.28"),
 }
 

@@ -344,10 +344,19 @@ def run_benchmark(task: Task, methods: list[Method], *, grpo_steps: int, eval_po
                 raise
             progress(f"  {method.name}: failed: {type(e).__name__}: {e}")
             rows.append({"method": method.name, "label": method.label, "error": f"{type(e).__name__}: {e}"})
-            continue
-        rows.append(row)
-        if budget is None:
-            budget = row["train_seconds"]
+        else:
+            rows.append(row)
+            if budget is None:
+                budget = row["train_seconds"]
+        # after every method, so that a run stopped part-way keeps what it measured
+        result = write_results(rows, task, before=before, grpo_steps=grpo_steps, eval_points=eval_points, seed=seed,
+                               out=out)
+    return result
+
+
+def write_results(rows: list[dict], task: Task, *, before: float, grpo_steps: int, eval_points: int, seed: int,
+                  out: str) -> dict:
+    """The JSON, the table and the plot of the methods run so far (`rows`, the reference first) to `out`."""
     ok = [r for r in rows if "error" not in r]
     summary = summarize(ok)
     table = format_table(ok, summary["target"], summary["budget_s"], grpo_steps)

@@ -243,20 +243,25 @@ def test_process_supervision_beats_the_outcome_reward_on_the_same_budget(digits_
     """The digits task (`toy.digits_examples`): "0123+3041=" -> "3, 1, 6, 4", one step per digit. The warm-started
     model is right on 45% of the digits and 4.5% of the answers. Same trainer, data, seed and budget (60 steps x 32
     completions, G = 8, lr 5e-4); only the reward differs: a per-digit step reward (process supervision) or 1 for an
-    exact answer (outcome only, i.e. GRPO). Held-out per-digit accuracy after training (400 samples at temperature 1),
-    measured on CPU for seeds 0-4: process 0.466 0.461 0.469 0.474 0.467, outcome 0.366 0.368 0.273 0.357 0.340,
-    margins 0.100 0.093 0.196 0.117 0.127 (from 0.429 before training). The outcome run degrades: its rare
-    successful groups give large, sparse updates that Adam's moments keep applying. The process run's logged
-    per-digit reward rose from the first to the last quarter of training on every seed (+0.025 to +0.066).
+    exact answer (outcome only, i.e. GRPO). Held-out per-digit accuracy after training (400 samples at temperature 1,
+    0.458 before training), measured on CPU for seeds 0-4 (2026-12-04, after the generation and selection changes of
+    issues 18/19 moved every trajectory): process 0.494 0.481 0.503 0.502 0.512, outcome 0.391 0.081 0.084 0.172 0.340,
+    margins 0.103 0.401 0.419 0.329 0.172; the process run's gain over the untrained model +0.023 to +0.054. The
+    outcome run degrades: its rare successful groups give large, sparse updates that Adam's moments keep applying.
+    (The process run's logged training reward is too noisy a learning signal to assert on: its last quarter minus
+    its first was -0.008 to +0.126 over the same seeds.)
     """
-    from conftest import quarter_means
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trl_ppo_variants.toy import digits_accuracy
+
+    before = digits_accuracy(AutoModelForCausalLM.from_pretrained(digits_model_dir),
+                             AutoTokenizer.from_pretrained(digits_model_dir))[0]
     for seed in LEARN_SEEDS:
-        process, history = _learn(digits_model_dir, tmp_path / f"process{seed}", seed, process=True)
+        process, _ = _learn(digits_model_dir, tmp_path / f"process{seed}", seed, process=True)
         outcome, _ = _learn(digits_model_dir, tmp_path / f"outcome{seed}", seed, process=False)
-        assert process - outcome > 0.06, (seed, process, outcome)  # worst measured margin 0.093
-        first, last = quarter_means(history)
-        assert last > first, (seed, first, last)  # worst measured +0.025
+        assert process - outcome > 0.06, (seed, process, outcome)  # worst measured margin 0.103
+        assert process - before > 0.01, (seed, before, process)  # worst measured gain +0.023 (seed 1)
 
 
 # --------------------------------------------------------------------------------------------- 2 processes (slow)

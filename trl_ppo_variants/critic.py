@@ -336,16 +336,16 @@ class _HookLora(nn.Module):
     default (Kaiming-uniform) init; B: zero, so the adapter starts as the identity (as PEFT's LoRA). The adapter runs in
     its own dtype (float32 over half-precision weights) and adds its output in the layer's."""
 
-    def __init__(self, targets: dict[str, nn.Linear], r: int, alpha: float):
+    def __init__(self, targets: dict[str, nn.Linear], r: int, alpha: float, dtype: torch.dtype | None = None):
         super().__init__()
         self.scaling = alpha / r
         self._targets = dict(targets)  # not registered: the base's modules
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         for path, linear in targets.items():
-            dtype = _trained_dtype(linear.weight.dtype)
-            self.lora_A[_key(path)] = nn.Linear(linear.in_features, r, bias=False, dtype=dtype)
-            self.lora_B[_key(path)] = nn.Linear(r, linear.out_features, bias=False, dtype=dtype)
+            trained = dtype or _trained_dtype(linear.weight.dtype)
+            self.lora_A[_key(path)] = nn.Linear(linear.in_features, r, bias=False, dtype=trained)
+            self.lora_B[_key(path)] = nn.Linear(r, linear.out_features, bias=False, dtype=trained)
             nn.init.zeros_(self.lora_B[_key(path)].weight)
 
     def _hook(self, key, module, args, output):
@@ -429,8 +429,9 @@ class LoraValueModel(_Critic):
     kind = "lora"
 
     def __init__(self, config, base: nn.Module, base_model_prefix: str, base_source: str, *, r: int, alpha: float,
-                 target_modules=None, peft_model=None):
-        super().__init__(config, base_model_prefix, _trained_dtype(next(base.parameters()).dtype))
+                 target_modules=None, peft_model=None, trained_dtype: torch.dtype | None = None):
+        trained_dtype = trained_dtype or _trained_dtype(next(base.parameters()).dtype)
+        super().__init__(config, base_model_prefix, trained_dtype)
         self.base_source = base_source
         self.lora_r, self.lora_alpha = r, alpha
         if base_source == "copy":
@@ -442,7 +443,7 @@ class LoraValueModel(_Critic):
             self._peft = _PeftAdapter(peft_model, base, r, alpha, target_modules)
         else:
             base.requires_grad_(False)  # no gradient (nor its memory) for the shared / frozen weights
-            self.lora = _HookLora(_linear_targets(base, target_modules), r, alpha)
+            self.lora = _HookLora(_linear_targets(base, target_modules), r, alpha, trained_dtype)
         self._depth = 0
 
     @property
@@ -708,8 +709,11 @@ def build_critic(
     else:
         if source == "copy":
             _dropout_off(base)
+        # ZeRO-3 partitions every trainable parameter into one flat buffer per dtype group and asserts a single dtype:
+        # the adapter and head then take the policy's (DeepSpeed keeps float32 master weights under bf16/fp16)
         critic = LoraValueModel(config, base, prefix, source, r=lora_r, alpha=lora_alpha,
-                                target_modules=lora_target_modules, peft_model=peft_model)
+                                target_modules=lora_target_modules, peft_model=peft_model,
+                                trained_dtype=policy.dtype if zero3 else None)
     _set_head(critic.score, head)
     return critic
 
