@@ -4,6 +4,8 @@ from trl_ppo_variants.toy import use_offline_env
 
 use_offline_env()
 
+import re
+
 import pytest
 import torch
 
@@ -68,6 +70,12 @@ def perturb(model, seed, scale):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def addition_answer(prompt: str) -> str:
+    """The answer of a toy addition prompt ("3+4=" -> "7"), to score captured completions again in a test."""
+    a, b = re.match(r"(\d)\+(\d)=", prompt).groups()
+    return str(int(a) + int(b))
 
 
 def logged_rewards(trainer):

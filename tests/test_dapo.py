@@ -5,7 +5,6 @@ tests/scripts/dapo_2proc.py, launched by the slow tests at the end)."""
 import json
 import math
 import os
-import re
 import subprocess
 import warnings
 from pathlib import Path
@@ -13,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import toy_args
+from conftest import addition_answer, toy_args
 from trl import GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 from trl.trainer.utils import RepeatSampler
@@ -375,11 +374,6 @@ def _layout(G, rank, screen, complete=(), screen_size=None, world=2):
 
 
 # ------------------------------------------------------------------------------------------------ end to end, 1 process
-def _prompt_answer(text):
-    a, b = re.match(r"(\d)\+(\d)=", text).groups()
-    return str(int(a) + int(b))
-
-
 def _capture(trainer):
     captured = []
     original = trainer._generate_and_score_completions
@@ -397,7 +391,7 @@ def _capture(trainer):
 def _group_rewards(batch, tokenizer, G):
     prompts = tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
     completions = tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
-    answers = [_prompt_answer(p) for p in prompts]
+    answers = [addition_answer(p) for p in prompts]
     rewards = torch.tensor(addition_reward(completions, answers)).view(-1, G)
     return prompts, rewards
 

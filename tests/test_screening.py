@@ -3,11 +3,10 @@ dynamic sampling as one loop, for every group estimator; `trl_ppo_variants.GRPOT
 tests/test_dapo.py (tests/scripts/dapo_2proc.py --mode speed); the accumulator's segments in tests/test_selection.py."""
 
 import math
-import re
 
 import pytest
 import torch
-from conftest import toy_args
+from conftest import addition_answer, toy_args
 from reliability_helpers import StopAt, modules_state, step_logs
 
 import trl_ppo_variants as tpv
@@ -161,11 +160,6 @@ def test_grpo_trainer_is_trl_grpo_with_every_new_field_at_its_default(tmp_path, 
 
 
 # ------------------------------------------------------------------------------------------------ advantages
-def _answer(prompt):
-    a, b = re.match(r"(\d)\+(\d)=", prompt).groups()
-    return str(int(a) + int(b))
-
-
 def _capture_batches(trainer):
     batches = []
     original = trainer._generate_and_score_completions
@@ -214,7 +208,7 @@ def test_a_screened_and_completed_group_gets_the_advantages_of_one_group(tmp_pat
         prompts = toy_tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True)
         completions = toy_tokenizer.batch_decode(batch["completion_ids"], skip_special_tokens=True)
         assert all(len(set(prompts[i:i + G])) == 1 for i in range(0, len(prompts), G))
-        r = torch.tensor(addition_reward(completions, [_answer(p) for p in prompts]))
+        r = torch.tensor(addition_reward(completions, [addition_answer(p) for p in prompts]))
         assert (r.view(-1, G).std(dim=1) > 0).all()  # every trained group has a spread
         mask = batch["completion_mask"].float()
         want = expected(r, mask, G)

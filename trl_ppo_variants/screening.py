@@ -350,16 +350,7 @@ class StreamPrompts:
     def draw(self, k: int, seen: set) -> list[dict]:
         """Next `k` records, skipping prompts in `seen` (as `RefillSampler.draw`: it gives up skipping after one
         pass's worth of skips, or 1000 skips while the stream's length is unknown)."""
-        out, skipped = [], 0
-        while len(out) < k:
-            row = self._next()
-            key = prompt_key(row)
-            if key in seen and skipped < (self.pass_length or 1000):
-                skipped += 1
-                continue
-            seen.add(key)
-            out.append(row)
-        return out
+        return selection.draw_fresh(self._next, k, prompt_key, seen, skip_limit=lambda: self.pass_length or 1000)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "stream": True}

@@ -173,6 +173,23 @@ def prompts_to_generate(needed: int, keep_rate: float, shortfall_probability: fl
 
 
 # ----------------------------------------------------------------------------------------------- refill prompts
+def draw_fresh(next_item, k: int, key, seen: set, skip_limit) -> list:
+    """The next `k` items of `next_item()`, skipping those whose `key(item)` is in `seen` and adding the drawn keys to
+    `seen`, so that a refill brings fresh prompts. Skipping stops once `skip_limit()` items were skipped (one pass over
+    the data: a data set with fewer distinct prompts than a step needs), so it always returns `k` items; the limit is
+    read at every skip, as a stream learns its length only when a pass ends."""
+    out, skipped = [], 0
+    while len(out) < k:
+        item = next_item()
+        item_key = key(item)
+        if item_key in seen and skipped < skip_limit():
+            skipped += 1
+            continue
+        seen.add(item_key)
+        out.append(item)
+    return out
+
+
 class RefillSampler:
     """Seeded, resumable stream of dataset indices for the refill rounds of dynamic sampling.
 
@@ -213,17 +230,9 @@ class RefillSampler:
 
     def draw(self, k: int, key=None, seen: set | None = None) -> list[int]:
         """Next `k` indices, skipping those with `key(index) in seen` (and adding the drawn keys to `seen`)."""
-        out, skipped = [], 0
-        while len(out) < k:
-            index = self._next()
-            if key is not None and seen is not None:
-                k_ = key(index)
-                if k_ in seen and skipped < self.num_rows:
-                    skipped += 1
-                    continue
-                seen.add(k_)
-            out.append(index)
-        return out
+        if key is None or seen is None:
+            return [self._next() for _ in range(k)]
+        return draw_fresh(self._next, k, key, seen, skip_limit=lambda: self.num_rows)
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "epoch": self.epoch, "offset": self.offset, "num_rows": self.num_rows}
