@@ -12,6 +12,12 @@ What it measures, and how:
 * **Peak memory (RSS)** cannot be told apart per trainer inside one process (one heap, one high-water mark), so each
   configuration runs a few steps in a FRESH subprocess, one after the other: peak RSS (`VmHWM`) and the peak above
   the process's RSS after its imports (the part the trainer itself adds: models, optimizer states, activations).
+  The subprocess sets glibc's mmap threshold to a fixed 128 KiB (`mallopt`, as `MALLOC_MMAP_THRESHOLD_=131072`):
+  every tensor buffer is then mapped on its own and unmapped when freed, so the RSS follows the bytes the trainer
+  holds. With glibc's default (a threshold that rises to the largest block freed so far) buffers of up to 32 MiB come
+  from the heap and stay in the RSS after they are freed: on SmolLM2 that retention was 0.3-0.6 GB per row and
+  differed from row to row (PPO with a LoRA critic: 1.22x GRPO's RSS by default, 1.02x with the fixed threshold; the
+  live tensors at the step start differ by the adapter's 60 MB). `--glibc-default-malloc` measures the old way.
   The memory runs use a somewhat larger model (hidden 256, 4 layers by default) so that the part the trainer adds is
   not lost in the ~0.5 GB of the interpreter and libraries; the ratio is taken on that part.
 * For DAPO: generated tokens per trained token, generation rounds per step, and the step time per generated token
@@ -154,6 +160,9 @@ def parse_args(argv=None):
     p.add_argument("--mem-hidden", type=int, default=256)
     p.add_argument("--mem-layers", type=int, default=4)
     p.add_argument("--mem-timeout", type=int, default=300)
+    p.add_argument("--glibc-default-malloc", action="store_true",
+                   help="memory runs with glibc's default (dynamic) mmap threshold: freed buffers of up to 32 MiB stay "
+                        "in the RSS (the numbers before 2026-12-04 22:00 were measured so)")
     p.add_argument("--group-size", type=int, default=0,
                    help="time the rows in groups of this many, each with the baselines and peers its rows compare "
                         "against (0: all in one group); ratios stay paired within a group")
@@ -416,6 +425,21 @@ PRELOAD = ["torch", "transformers", "datasets", "trl", "trl.trainer.grpo_trainer
            "trl_ppo_variants.toy", "trl_ppo_variants.smollm2", "trl_ppo_variants.trainers.base", "algos", "suite"]
 
 
+def return_freed_memory() -> bool:
+    """Make glibc map every allocation over 128 KiB on its own and unmap it when freed (and trim the heap past 128 KiB
+    of free space), so that the RSS follows the bytes held; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>; setting either fixes it (no dynamic adjustment)
+    return bool(mallopt(m_mmap_threshold, 128 * 1024)) and bool(mallopt(m_trim_threshold, 128 * 1024))
+
+
 def _memory_worker(name, model_dir, argv, out_path):
     """In a process forked from the forkserver (libraries imported, nothing else): RSS now, then a few training
     steps of row `name`, then the high-water mark. Linux starts a forked child's `VmHWM` at its RSS at fork."""
@@ -427,6 +451,8 @@ def _memory_worker(name, model_dir, argv, out_path):
         import torch
 
         args = parse_args(argv)
+        allocator = "glibc default" if args.glibc_default_malloc else (
+            "mmap threshold 128 KiB" if return_freed_memory() else "default (not glibc)")
         torch.set_num_threads(TASKS[args.model].num_threads())
         algo = algos.ALL[name]
         algo.load()  # its module is imported before the baseline, like the libraries
@@ -436,7 +462,8 @@ def _memory_worker(name, model_dir, argv, out_path):
             _quiet(trainer)
             trainer.train()
             peak_kib = _status_kib("VmHWM")
-        result = {"baseline_mb": base_kib / 1024, "peak_mb": peak_kib / 1024, "delta_mb": (peak_kib - base_kib) / 1024}
+        result = {"baseline_mb": base_kib / 1024, "peak_mb": peak_kib / 1024, "delta_mb": (peak_kib - base_kib) / 1024,
+                  "allocator": allocator}
     except BaseException as e:
         result = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
     with open(out_path, "w") as f:

@@ -46,6 +46,9 @@ def test_demo_settings_table(tmp_path):
                                                                           3e-5), algo
         for key, value in demo.ALGO_SETTINGS[algo].items():
             assert getattr(args, key) == value, (algo, key)
+    # an override of the critic-only steps still leaves 3 policy updates (bench/critic_learning.py's variants)
+    longer = demo.training_args("vapo", steps=3, seed=0, output_dir=str(tmp_path), value_pretrain_steps=12)
+    assert (longer.value_pretrain_steps, longer.max_steps) == (12, 15)
     assert demo._select("all") == demo.algorithm_names() and demo._select(None) == list(demo.DEFAULT_ALGOS)
     assert demo._select("dapo,grpo") == ["dapo", "grpo"]
 

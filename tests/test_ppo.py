@@ -66,6 +66,11 @@ def test_config_defaults(tmp_path):
     assert args.kl_in_reward_coef == 0.05 and args.clip_ratio_c is None and args.value_model_path is None
     assert args.critic_warmup_steps == 0
     assert args.effective_critic_learning_rate == args.learning_rate
+    # the LoRA critic's default is ten times the policy's rate (LoRA's usual ratio); a set rate is kept
+    lora = PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_backbone="lora", learning_rate=2e-5)
+    assert lora.effective_critic_learning_rate == pytest.approx(2e-4)
+    assert PPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_backbone="lora",
+                     critic_learning_rate=1e-5).effective_critic_learning_rate == 1e-5
 
 
 # ------------------------------------------------------------------------------------------------ critic

@@ -73,6 +73,12 @@ def test_defaults_follow_the_paper(tmp_path):
     assert scaled.effective_critic_learning_rate == 4e-5
     fixed = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_learning_rate=3e-6)
     assert fixed.effective_critic_learning_rate == 3e-6
+    # a LoRA critic (not in the paper): ten times the full critic's rate; a set rate is kept as it is
+    lora = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_backbone="lora")
+    assert lora.effective_critic_learning_rate == pytest.approx(2e-5)
+    lora_fixed = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], critic_backbone="lora",
+                            critic_learning_rate=3e-6)
+    assert lora_fixed.effective_critic_learning_rate == 3e-6
     assert (args.kl_in_reward_coef, args.beta) == (0.0, 0.0)
 
 

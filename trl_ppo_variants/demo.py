@@ -99,16 +99,17 @@ def algorithm_names() -> list[str]:
     return [REFERENCE] + installed_algorithms()
 
 
-def critic_only_steps(algo: str) -> int:
+def critic_only_steps(algo: str, **overrides) -> int:
     """Steps at the start that train only a critic (VAPO's value pre-training, PPO's critic warm-up)."""
-    settings = ALGO_SETTINGS.get(algo, {})
+    settings = {**ALGO_SETTINGS.get(algo, {}), **overrides}
     return settings.get("value_pretrain_steps", 0) or settings.get("critic_warmup_steps", 0)
 
 
 def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
     config_cls, _ = trainer_classes(algo)
     settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
-    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps + critic_only_steps(algo), seed=seed)
+    settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps + critic_only_steps(algo, **overrides),
+                    seed=seed)
     if "n_votes" in settings:  # TTRL: n_votes sets num_generations
         settings.pop("num_generations", None)
     return config_cls(**settings)

@@ -78,6 +78,10 @@ GROUP_ROLE = "trl_ppo_variants_role"
 GROUP_WEIGHT_DECAY = "trl_ppo_variants_weight_decay"
 #: `lr_scheduler_type`s that are not a `LambdaLR` (their rate depends on metrics): no shifted policy schedule
 UNSHIFTABLE_SCHEDULERS = ("reduce_lr_on_plateau", "greedy")
+#: `critic_learning_rate=None` with `critic_backbone="lora"`: this many times the full critic's default rate. A LoRA
+#: adapter's best rate is about 10x full fine-tuning's (Schulman et al., "LoRA Without Regret", Thinking Machines,
+#: 2025; Biderman et al., arXiv 2405.09673); on SmolLM2 the LoRA critic at the full critic's rate learned less (README)
+LORA_CRITIC_LR_SCALE = 10.0
 
 
 @dataclass
@@ -117,7 +121,8 @@ class PPOConfig(StepRewardFields, VariantConfig):
             Weight of the value loss in the total loss.
         critic_learning_rate (`float` or `None`, *optional*, defaults to `None`):
             Learning rate of the critic's parameters (its own optimizer param groups, same schedule shape).
-            `None`: `learning_rate`.
+            `None`: `learning_rate` for the full critic, 10 x `learning_rate` for the LoRA critic (a LoRA adapter's
+            usual ratio to full fine-tuning).
         cliprange_value (`float`, *optional*, defaults to `0.2`):
             The value loss is `0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)` with this `c`.
         gamma (`float`, *optional*, defaults to `1.0`):
@@ -153,7 +158,8 @@ class PPOConfig(StepRewardFields, VariantConfig):
     )
     vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss."})
     critic_learning_rate: float | None = field(
-        default=None, metadata={"help": "Learning rate of the critic; None: learning_rate."}
+        default=None,
+        metadata={"help": "Learning rate of the critic; None: learning_rate (full critic), 10 x learning_rate (LoRA)."},
     )
     cliprange_value: float = field(default=0.2, metadata={"help": "Clip range of the value around the old value."})
     gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
@@ -210,8 +216,16 @@ class PPOConfig(StepRewardFields, VariantConfig):
     warmup_field: ClassVar[str] = "critic_warmup_steps"
 
     @property
+    def full_critic_learning_rate(self) -> float:
+        """The full critic's rate when `critic_learning_rate` is None (VAPO: twice the policy's)."""
+        return self.learning_rate
+
+    @property
     def effective_critic_learning_rate(self) -> float:
-        return self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+        if self.critic_learning_rate is not None:
+            return self.critic_learning_rate
+        scale = LORA_CRITIC_LR_SCALE if self.critic_backbone == "lora" else 1.0
+        return scale * self.full_critic_learning_rate
 
 
 class PPOTrainer(StepRewardsMixin, VariantTrainer):

@@ -55,7 +55,8 @@ class VAPOConfig(PPOConfig):
     - Critic learning rate: `critic_learning_rate=None` means twice `learning_rate`, the paper's ratio (2e-6 for the
       actor's 1e-6, which is what the defaults give), so that a run at another policy rate keeps the critic ahead
       of the policy as the paper does (a fixed 2e-6 under a policy rate of 2e-5 would make the critic ten times
-      slower than the policy). Set it to fix the critic's rate.
+      slower than the policy). Set it to fix the critic's rate. With `critic_backbone="lora"` (not in the paper),
+      ten times that, as for PPO's LoRA critic.
     - Critic initialisation: the paper initialises the critic from a reward model and pre-trains it against that
       model. With rule-based rewards there is no reward model: the critic is initialised from the policy (a new scalar
       head on the policy's backbone), or from `value_model_path` when given, then pre-trained on the rule rewards.
@@ -117,7 +118,9 @@ class VAPOConfig(PPOConfig):
     epsilon_high: float | None = field(default=0.28, metadata={"help": "Clip-Higher upper bound (VAPO: 0.28)."})
     loss_type: str = field(default="dapo", metadata={"help": "Token-level policy loss (VAPO: 'dapo')."})
     critic_learning_rate: float | None = field(
-        default=None, metadata={"help": "Critic learning rate; None: 2 x learning_rate (the paper's 2e-6 for 1e-6)."}
+        default=None,
+        metadata={"help": "Critic learning rate; None: 2 x learning_rate (the paper's 2e-6 for 1e-6), 20 x with a LoRA "
+                          "critic."},
     )
     kl_in_reward_coef: float = field(
         default=0.0, metadata={"help": "KL-in-reward coefficient (VAPO names none: 0, as DAPO)."}
@@ -129,8 +132,8 @@ class VAPOConfig(PPOConfig):
         return super().uses_token_level_normalizer() or self.positive_lm_coef > 0  # the NLL is a token mean
 
     @property
-    def effective_critic_learning_rate(self) -> float:
-        return 2.0 * self.learning_rate if self.critic_learning_rate is None else self.critic_learning_rate
+    def full_critic_learning_rate(self) -> float:
+        return 2.0 * self.learning_rate
 
     def __post_init__(self):
         check(self.critic_warmup_steps in (None, self.value_pretrain_steps), "critic_warmup_steps",
