@@ -15,7 +15,7 @@ What it measures, and how:
   The subprocess sets glibc's mmap threshold to a fixed 128 KiB (`mallopt`, as `MALLOC_MMAP_THRESHOLD_=131072`):
   every tensor buffer is then mapped on its own and unmapped when freed, so the RSS follows the bytes the trainer
   holds. With glibc's default (a threshold that rises to the largest block freed so far) buffers of up to 32 MiB come
-  from the heap and stay in the RSS after they are freed: on SmolLM2 that retention was 0.3-0.6 GB per row and
+  from the heap and stay in the RSS after they are freed: on SmolLM2 that retention was 0.4-1.3 GB per row and
   differed from row to row (PPO with a LoRA critic: 1.22x GRPO's RSS by default, 1.02x with the fixed threshold; the
   live tensors at the step start differ by the adapter's 60 MB). `--glibc-default-malloc` measures the old way.
   The memory runs use a somewhat larger model (hidden 256, 4 layers by default) so that the part the trainer adds is
@@ -162,7 +162,7 @@ def parse_args(argv=None):
     p.add_argument("--mem-timeout", type=int, default=300)
     p.add_argument("--glibc-default-malloc", action="store_true",
                    help="memory runs with glibc's default (dynamic) mmap threshold: freed buffers of up to 32 MiB stay "
-                        "in the RSS (the numbers before 2026-12-04 22:00 were measured so)")
+                        "in the RSS (the numbers before 2026-12-04 21:40 were measured so)")
     p.add_argument("--group-size", type=int, default=0,
                    help="time the rows in groups of this many, each with the baselines and peers its rows compare "
                         "against (0: all in one group); ratios stay paired within a group")
