@@ -14,6 +14,8 @@ from transformers import TrainerCallback
 
 # name -> (module, config class, trainer class, config overrides, whether addition_reward is passed)
 TRAINER_SPECS = {
+    # the package's GRPO (TRL's advantages, the package's fields and guards): the baseline `trl-ppo-variants grpo`
+    "grpo": ("trl_ppo_variants.trainers.grpo", "GRPOConfig", "GRPOTrainer", {}, True),
     "rloo": ("trl_ppo_variants.trainers.rloo", "RLOOConfig", "RLOOTrainer", {}, True),
     "rloo_kl": ("trl_ppo_variants.trainers.rloo", "RLOOConfig", "RLOOTrainer", {"beta": 0.05}, True),
     "remax": ("trl_ppo_variants.trainers.remax", "ReMaxConfig", "ReMaxTrainer", {}, True),

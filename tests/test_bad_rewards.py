@@ -23,7 +23,7 @@ NAMES = [n for n in available_specs() if n != "vapo_pretrain"]
 OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "ttrl": {"allow_labelled_rewards": True}}
 # one reward call per step of 8 completions (ReMax scores its greedy rows in a second call, DAPO refills, TTRL
 # votes): the logged count is exactly 4; for the others it is a mean over calls, and positive
-ONE_CALL = {"rloo", "rloo_kl", "reinforce_pp", "reinforce_pp_baseline", "ppo", "vapo", "process_grpo"}
+ONE_CALL = {"grpo", "rloo", "rloo_kl", "reinforce_pp", "reinforce_pp_baseline", "ppo", "vapo", "process_grpo"}
 
 
 def flaky_reward(completions, answer, **kwargs):
@@ -133,7 +133,7 @@ def test_consecutive_unscorable_batches_stop_training(name, toy_model_dir, tmp_p
     (TTRL's vote and process GRPO's step rewards always score: they never stop; DAPO's overlong shaping does not
     count as a score)."""
     trainer = make_trainer(name, toy_model_dir, tmp_path, "out", reward=[_nothing], max_steps=6,
-                           max_unscorable_batches=2, **OVERRIDES.get(name, {}))
+                           max_unscorable_batches=2, min_unscorable_prompts=4, **OVERRIDES.get(name, {}))
     if name in ("ttrl", "process_grpo"):
         trainer.train()
         assert trainer.state.global_step == 6
@@ -142,9 +142,44 @@ def test_consecutive_unscorable_batches_stop_training(name, toy_model_dir, tmp_p
         trainer.train()
     message = str(err.value)
     assert "\n" not in message
-    assert message.startswith("no completion got a finite reward in 2 consecutive generation batches"), message
-    assert "'_nothing'" in message and "max_unscorable_batches=2" in message
+    assert message.startswith("no completion got a finite reward in 2 consecutive generation batches ("), message
+    assert "'_nothing'" in message and "max_unscorable_batches=2" in message and "min_unscorable_prompts=4" in message
     assert trainer.state.global_step <= 2  # DAPO's refill rounds are batches too: it stops within its first step
+
+
+def _none_on_steps_1_to_8(completions, answer, trainer_state=None, **kwargs):
+    """None for every completion of global steps 1-8 (one prompt a batch: a prompt without a gold answer), else
+    addition_reward."""
+    if 1 <= trainer_state.global_step <= 8:
+        return [None] * len(completions)
+    return addition_reward(completions, answer)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_of_unscorable_one_prompt_batches_does_not_stop_a_healthy_run(toy_model_dir, tmp_path):
+    """Batches of one prompt: 8 unscorable batches in a row (8 prompts) are chance in a healthy run whose reward
+    returns None for some prompts (TRL's accuracy_reward on a gold answer that does not parse), not a broken one. The
+    defaults (5 batches, 32 prompts) keep training; 5 batches alone stopped it at step 6 of 12."""
+    trainer = make_trainer("rloo", toy_model_dir, tmp_path, "out", reward=[_none_on_steps_1_to_8], max_steps=12,
+                           per_device_train_batch_size=4)
+    trainer.train()
+    assert trainer.state.global_step == 12
+    assert trainer.scoring_tally["unscorable_batches"] == 8 and trainer.scoring_tally["consecutive"] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch, stop", [(4, 32), (32, 5)])
+def test_a_run_that_never_scores_stops_after_batches_and_prompts(batch, stop, toy_model_dir, tmp_path):
+    """The fast failure stays: all-None rewards stop after max(5 batches, 32 prompts): 32 one-prompt batches, or 5
+    batches of 8 prompts."""
+    trainer = make_trainer("grpo", toy_model_dir, tmp_path, "out", reward=[_nothing], max_steps=40,
+                           per_device_train_batch_size=batch, max_completion_length=2)
+    with pytest.raises(RuntimeError) as err:
+        trainer.train()
+    prompts = stop * batch // 4
+    assert str(err.value).startswith(f"no completion got a finite reward in {stop} consecutive generation batches "
+                                     f"({prompts} prompts)"), str(err.value)
+    assert trainer.state.global_step == stop - 1  # the stop comes before the step of the last batch
 
 
 @pytest.mark.timeout(300)
@@ -154,8 +189,8 @@ def test_unscorable_batches_are_counted_and_partial_nan_trains(toy_model_dir, tm
     trainer = make_trainer("rloo", toy_model_dir, tmp_path, "out", reward=[_nan_then_good], max_steps=5,
                            max_unscorable_batches=4)
     trainer.train()
-    assert trainer.scoring_tally == {"batches": 5, "unscorable_batches": 3, "consecutive": 0, "completions": 40,
-                                     "unscorable_completions": 24}
+    assert trainer.scoring_tally == {"batches": 5, "unscorable_batches": 3, "consecutive": 0,
+                                     "consecutive_prompts": 0, "completions": 40, "unscorable_completions": 24}
     short = make_trainer("rloo", toy_model_dir, tmp_path, "short", reward=[_nothing], max_steps=2)  # limit 5
     with pytest.raises(RuntimeError, match=r"^no completion got a finite reward in any of the run's 2 generation "
                                            r"batches \(up to global step 2\)"):

@@ -41,6 +41,8 @@ CASES = [
     ("rloo", {"num_iterations": 0}, "num_iterations"),
     ("rloo", {"temperature": 0.0}, "temperature"),
     ("rloo", {"max_unscorable_batches": 0}, "max_unscorable_batches"),
+    ("grpo", {"min_unscorable_prompts": 0}, "min_unscorable_prompts"),
+    ("grpo", {"kl_in_reward_coef": 0.1}, "kl_in_reward_coef"),
     ("ttrl", {"n_votes": 4, "n_train": 6}, "n_train"),
     ("dapo", {"max_generation_rounds": -1}, "max_generation_rounds"),
     ("dapo", {"keep_rate_init": 0.0}, "keep_rate_init"),

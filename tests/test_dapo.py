@@ -518,6 +518,8 @@ def test_exhaustion_with_a_constant_reward_trains_nothing_and_warns_once(tmp_pat
     assert len(logs) == 2 and all(h["dapo/exhausted"] == 1 and h["dapo/padded_groups"] == 1 for h in logs)
     assert all(h["grad_norm"] == 0 for h in trainer.state.log_history if "grad_norm" in h)
     assert all(h["dapo/rounds"] == 2 and h["dapo/frac_dropped_all_correct"] == 1 for h in logs)
+    # no token was trained on: no generated-per-trained ratio is logged (it was NaN)
+    assert not [h for h in logs if "dapo/gen_tokens_per_trained_token" in h]
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

@@ -84,7 +84,8 @@ def _logged_metric_names() -> set[str]:
     # the prompt selection logs `<prefix>/<name>` (`selection/`, DAPO's `dapo/`) from one dict and GRESO's update
     text = (ROOT / "trl_ppo_variants" / "screening.py").read_text()
     block = text[text.index("        values = {"): text.index("        for name, value in values.items():")]
-    keys = re.findall(r"^\s+\"(\w+)\": ", block, flags=re.M) + re.findall(r"\b(greso_\w+)=", block)
+    keys = (re.findall(r"^\s+\"(\w+)\": ", block, flags=re.M) + re.findall(r"\bvalues\[\"(\w+)\"\] = ", block)
+            + re.findall(r"\b(greso_\w+)=", block))
     names |= {f"selection/{key}" for key in keys}
     names.discard("{p}/{name}")  # that loop's own key, expanded above
     return names

@@ -59,7 +59,6 @@ from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import gather_object
-from trl import GRPOTrainer
 
 from . import selection
 from .trainers.base import SELECTION_MODES, check
@@ -472,7 +471,7 @@ class PromptSelection:
         t = self.trainer
         saved, t.num_generations = t.num_generations, self.block
         try:
-            output = GRPOTrainer._generate_and_score_completions(t, round_inputs)
+            output = t.score_rollout(round_inputs)  # each round is a generation batch (max_unscorable_batches)
         finally:
             t.num_generations = saved
         return output
@@ -534,7 +533,6 @@ class PromptSelection:
                 round_inputs, segments = self._layout(screen, complete)
             output = self._generate_round(round_inputs)
             rewards_per_func = t._captured_rewards_per_func
-            t.track_scorable(rewards_per_func)  # each round is a generation batch (max_unscorable_batches)
             kl = t._reward_kl(output)
             if kl is not None:
                 output["kl_in_reward"] = kl
@@ -643,7 +641,6 @@ class PromptSelection:
             "groups_kept": real_rows // G,
             "frac_dropped_all_correct": acc.dropped_correct / generated,
             "frac_dropped_all_wrong": acc.dropped_wrong / generated,
-            "gen_tokens_per_trained_token": generated_tokens / trained_tokens if trained_tokens > 0 else float("nan"),
             "exhausted": float(exhausted),
             "padded_groups": (num_rows - real_rows) // G,
             "keep_rate_estimate": rate_used,
@@ -657,6 +654,8 @@ class PromptSelection:
             "prompts_accepted": acc.groups_with_spread,
             "prompts_skipped": step["skipped"],
         }
+        if trained_tokens > 0:  # a step trained only on placeholder groups has no ratio (NaN would spoil the mean)
+            values["gen_tokens_per_trained_token"] = generated_tokens / trained_tokens
         if self.greso:
             values.update(greso_p_easy=self.p_easy, greso_p_hard=self.p_hard, greso_history_size=len(self.history))
         for name, value in values.items():

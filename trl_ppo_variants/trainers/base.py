@@ -143,11 +143,19 @@ class VariantConfig(GRPOConfig):
         max_unscorable_batches (`int` or `None`, *optional*, defaults to `5`):
             Stop training with a one-line error after this many consecutive generation batches (the
             `generation_batch_size` completions of a rollout, gathered over all processes; each of DAPO's generation
-            rounds counts as one) in which not one completion got a finite reward: every reward function returned
-            `None` or NaN for all of them, so every advantage is 0 and nothing can be learned (a broken reward
-            function or a dataset column it cannot read). A run that ends with every batch unscorable fails too.
-            Batches with some scorable completions reset the count and train as usual (the unscorable rows get
-            advantage 0; `rewards/<name>/non_finite` counts them). `None` disables the check.
+            rounds counts as one) in which not one completion got a finite reward, holding together at least
+            `min_unscorable_prompts` prompts: every reward function returned `None` or NaN for all of them, so every
+            advantage is 0 and nothing can be learned (a broken reward function or a dataset column it cannot
+            read). A run that ends without one scored completion fails too. Batches with some scorable completions
+            reset the count and train as usual (the unscorable rows get advantage 0; `rewards/<name>/non_finite`
+            counts them). `None` disables the check.
+        min_unscorable_prompts (`int`, *optional*, defaults to `32`):
+            The fewest consecutive prompts without a scored completion that `max_unscorable_batches` stops on.
+            Unscorability comes mostly per prompt (TRL's `accuracy_reward` returns `None` for every completion of a
+            prompt whose gold answer does not parse), so a healthy run whose generation batches hold one prompt
+            each meets runs of unscorable batches by chance: with 30% of prompts unscorable, a run of 5 starts
+            about once in 600 batches, one of 32 practically never (0.3^32 ~ 2e-17). A run that never scores
+            still stops after max(`max_unscorable_batches` batches, this many prompts).
         prompt_selection (`str`, *optional*, defaults to `"none"`):
             Choose the prompts a step trains on while generating (`trl_ppo_variants.screening`): `"dynamic_sampling"`
             (DAPO's: generate whole groups, keep those with a reward spread, refill), `"speed"` (SPEED, arXiv
@@ -185,7 +193,14 @@ class VariantConfig(GRPOConfig):
     max_unscorable_batches: int | None = field(
         default=5,
         metadata={"help": "Stop with an error after this many consecutive generation batches in which no completion "
-                          "got a finite reward from any reward function (None: never)."},
+                          "got a finite reward from any reward function, holding at least `min_unscorable_prompts` "
+                          "prompts (None: never)."},
+    )
+    min_unscorable_prompts: int = field(
+        default=32,
+        metadata={"help": "The fewest consecutive prompts without a scored completion that `max_unscorable_batches` "
+                          "stops on (a run of one-prompt batches with some unscorable prompts is not stopped by "
+                          "chance)."},
     )
 
     sampling_logps_source: str = field(
@@ -253,6 +268,9 @@ class VariantConfig(GRPOConfig):
         check(self.max_unscorable_batches is None or isinstance(self.max_unscorable_batches, int)
               and not isinstance(self.max_unscorable_batches, bool) and self.max_unscorable_batches >= 1,
               "max_unscorable_batches", "an integer >= 1 or None", self.max_unscorable_batches)
+        check(isinstance(self.min_unscorable_prompts, int) and not isinstance(self.min_unscorable_prompts, bool)
+              and self.min_unscorable_prompts >= 1, "min_unscorable_prompts", "an integer >= 1",
+              self.min_unscorable_prompts)
         check(self.prompt_selection in SELECTION_MODES, "prompt_selection", f"one of {SELECTION_MODES}",
               self.prompt_selection)
         if self.prompt_selection != "none":
@@ -345,8 +363,8 @@ class VariantTrainer(GRPOTrainer):
         self._counted_buffer = None
         self._step_counts = None
         #: completions and generation batches of this run's training, and how many had no finite reward
-        self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "completions": 0,
-                              "unscorable_completions": 0}
+        self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "consecutive_prompts": 0,
+                              "completions": 0, "unscorable_completions": 0}
         # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
         # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
         # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
@@ -431,16 +449,17 @@ class VariantTrainer(GRPOTrainer):
         output = super().train(resume_from_checkpoint, *args, **kwargs)
         tally = self.scoring_tally
         if (self.args.max_unscorable_batches is not None and tally["batches"]
-                and tally["unscorable_batches"] == tally["batches"]):
+                and tally["unscorable_batches"] == tally["batches"]):  # the run learned nothing at all
             raise RuntimeError(self._unscorable_message(f"any of the run's {tally['batches']} generation batches"))
         return output
 
     # -------------------------------------------------------------------------------------------- unscorable rewards
-    def track_scorable(self, rewards_per_func: torch.Tensor) -> None:
+    def track_scorable(self, rewards_per_func: torch.Tensor, group_size: int) -> None:
         """Count a training generation batch's completions that no reward function scored (every entry of their row
         NaN: advantage 0, nothing learned from them) into `scoring_tally`; after `max_unscorable_batches`
-        consecutive batches without one scored completion, stop with a one-line error. `rewards_per_func` is the
-        gathered (N, F) table, the same on every process, so every process stops at the same batch."""
+        consecutive batches without one scored completion that hold `min_unscorable_prompts` prompts (rows /
+        `group_size`) or more, stop with a one-line error. `rewards_per_func` is the gathered (N, F) table, the same
+        on every process, so every process stops at the same batch."""
         if not self.model.training:
             return
         columns = self.scorable_columns()
@@ -453,13 +472,16 @@ class VariantTrainer(GRPOTrainer):
         tally["completions"] += total
         tally["unscorable_completions"] += unscored
         if unscored < total or total == 0:
-            tally["consecutive"] = 0
+            tally["consecutive"] = tally["consecutive_prompts"] = 0
             return
         tally["unscorable_batches"] += 1
         tally["consecutive"] += 1
+        tally["consecutive_prompts"] += -(-total // max(group_size, 1))
         limit = self.args.max_unscorable_batches
-        if limit is not None and tally["consecutive"] >= limit:
-            raise RuntimeError(self._unscorable_message(f"{tally['consecutive']} consecutive generation batches"))
+        if limit is not None and tally["consecutive"] >= limit and (
+                tally["consecutive_prompts"] >= self.args.min_unscorable_prompts):
+            raise RuntimeError(self._unscorable_message(
+                f"{tally['consecutive']} consecutive generation batches ({tally['consecutive_prompts']} prompts)"))
 
     def scorable_columns(self) -> list[int] | None:
         """The reward columns whose finite values make a completion scorable (None: all); a trainer's own shaping
@@ -471,7 +493,8 @@ class VariantTrainer(GRPOTrainer):
         return (f"no completion got a finite reward in {where} (up to global step {self.state.global_step}): "
                 f"the reward functions ({names}) returned None or NaN for every completion, so nothing was learned; "
                 "check them and the dataset columns they read (max_unscorable_batches="
-                f"{self.args.max_unscorable_batches} set this limit, None disables it)")
+                f"{self.args.max_unscorable_batches} and min_unscorable_prompts={self.args.min_unscorable_prompts} "
+                "set this limit, max_unscorable_batches=None disables it)")
 
     def select_rows(self, rewards_per_func: torch.Tensor, group_size: int, inputs: list) -> torch.Tensor | None:
         """Global row indices to keep (the same on every rank), or None to keep every row."""
@@ -578,8 +601,16 @@ class VariantTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         self.beta = 1.0 if self.needs_reference else 0.0  # TRL computes reference log-probs iff beta != 0
-        output = super()._generate_and_score_completions(inputs)
+        output = self.score_rollout(inputs)
         return self._replace_advantages(output, inputs)
+
+    def score_rollout(self, inputs: list) -> dict:
+        """TRL's generation and scoring of the rows `inputs` (groups of `num_generations`), counted by
+        `track_scorable`. Every generation batch of every trainer passes here, each round of a prompt selection
+        too, so the unscorable-run guard holds whether or not a trainer replaces TRL's advantages."""
+        output = super()._generate_and_score_completions(inputs)
+        self.track_scorable(self._captured_rewards_per_func, self.num_generations)
+        return output
 
     def _compute_loss(self, model, inputs):
         own_kl = self.loss_beta != 0.0 and self.kl_loss_estimator != "k3"
@@ -787,7 +818,6 @@ class VariantTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         group_size = self.num_generations if mode == "train" else self.num_generations_eval
         rewards_per_func = self._captured_rewards_per_func
-        self.track_scorable(rewards_per_func)
         num_local = output["prompt_ids"].shape[0]
         num_logged = rewards_per_func.shape[0]
 
