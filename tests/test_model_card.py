@@ -141,9 +141,9 @@ def test_reinforce_pp_card_names_the_variant(tmp_path, toy_model_dir, toy_datase
 def test_ppo_push_uploads_the_policy_without_critic_keys_and_the_critic_beside_it(
     tmp_path, toy_model_dir, toy_dataset, monkeypatch
 ):
-    """transformers' `push_to_hub` saves with `_internal_call=True` (the checkpoint path, which keeps `critic.*` in
-    the weights for resume); what reaches the Hub must be the export: policy weights without `critic.*`, the critic in
-    `value_model/` (intercepted upload: no network)."""
+    """transformers' `push_to_hub` saves with `_internal_call=True` (the checkpoint path); what reaches the Hub must be
+    the export: policy weights without `critic.*`, the critic in `value_model/` (intercepted upload: no network). The
+    pushes made from checkpoints during training: `test_ppo.py`."""
     import os
 
     import transformers.trainer as hf_trainer

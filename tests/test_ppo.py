@@ -428,7 +428,7 @@ def test_without_critic_warmup_the_scheduler_is_transformers(toy_model_dir, toy_
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints, export
-def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_dataset, tmp_path):
+def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_dataset, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     run = dict(max_steps=2, save_strategy="steps", save_steps=2, critic_learning_rate=1e-2)
@@ -436,7 +436,10 @@ def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_d
     trainer.train()
     assert all(layer.gradient_checkpointing for layer in trainer.critic.model.layers)  # reached the critic too
     checkpoint = tmp_path / "a" / "out" / "checkpoint-2"
-    assert any(k.startswith("critic.") for k in _keys(checkpoint / "model.safetensors"))
+    # the policy's weights alone (transformers pushes them as they are), the critic beside them
+    assert _keys(checkpoint / "model.safetensors")
+    assert not any(is_critic_key(k) for k in _keys(checkpoint / "model.safetensors"))
+    assert (checkpoint / "value_model" / "model.safetensors").exists()
 
     fixed = _rollout(_trainer(toy_model_dir, toy_dataset, tmp_path / "probe"), toy_dataset)
     input_ids, attention_mask = _ids(fixed)
@@ -449,10 +452,33 @@ def test_checkpoint_holds_the_critic_and_resume_restores_it(toy_model_dir, toy_d
     trained = values(trainer)
     resumed = _trainer(toy_model_dir, toy_dataset, tmp_path / "b", **run)
     assert not torch.allclose(values(resumed), trained)  # a fresh critic differs from the trained one
+    import transformers.trainer as hf_trainer
+
+    warnings = []
+    monkeypatch.setattr(hf_trainer.logger, "warning", lambda message, *a, **k: warnings.append(str(message)))
     resumed.train(resume_from_checkpoint=str(checkpoint))
     assert torch.equal(values(resumed), trained)
+    assert not any("critic." in w for w in warnings), warnings  # not "missing" from the policy's weights
     for (name, p), q in zip(trainer.model.named_parameters(), resumed.model.parameters()):
         assert torch.equal(p, q), name
+
+    # a checkpoint written when `critic.*` was in the policy's weights (no value_model/) still resumes its critic;
+    # one with neither is refused
+    import shutil
+
+    old = tmp_path / "old" / "checkpoint-2"
+    shutil.copytree(checkpoint, old)
+    shutil.rmtree(old / "value_model")
+    trainer.model.save_pretrained(str(old))
+    assert any(is_critic_key(k) for k in _keys(old / "model.safetensors"))
+    from_old = _trainer(toy_model_dir, toy_dataset, tmp_path / "c", **run)
+    from_old.train(resume_from_checkpoint=str(old))
+    assert torch.equal(values(from_old), trained)
+    shutil.rmtree(old)
+    shutil.copytree(checkpoint, old)
+    shutil.rmtree(old / "value_model")
+    with pytest.raises(FileNotFoundError, match="holds no critic"):
+        _trainer(toy_model_dir, toy_dataset, tmp_path / "d", **run).train(resume_from_checkpoint=str(old))
 
     # export: a plain policy, the critic next to it
     export = tmp_path / "export"
@@ -584,7 +610,7 @@ def test_shared_weights_never_change_the_reference_or_the_policy(toy_model_dir, 
 
 @pytest.mark.parametrize("mode", LORA_MODES)
 def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tmp_path, mode):
-    """A checkpoint holds the adapter and the head (the full model's `critic.*`, or PEFT's `value_model/`), and resuming
+    """A checkpoint holds the adapter and the head in `value_model/` beside the policy's weights, and resuming
     from it ends where the uninterrupted run ends, bit for bit (policy and critic); the exported `value_model/` is the
     adapter and the head and loads on its own (`load_value_model`) to the same values."""
     from transformers import TrainerCallback
@@ -605,11 +631,12 @@ def test_lora_critic_checkpoint_resume_and_export(toy_model_dir, toy_dataset, tm
     if mode == "policy_adapter":  # PEFT's own save leaves the critic's adapter out
         assert not (checkpoint / "critic").exists()
         assert not any(".critic" in k for k in _keys(checkpoint / "adapter_model.safetensors"))
-        assert {"value_adapter.safetensors", "value_head.safetensors"} <= set(os.listdir(checkpoint / "value_model"))
     else:
-        keys = [k for k in _keys(checkpoint / "model.safetensors") if k.startswith("critic.")]
-        assert any(".lora_A." in k for k in keys) and "critic.score.weight" in keys
-        assert any(k.startswith("critic.model.") for k in keys) == (mode == "copy")  # never the reference's weights
+        assert not any(is_critic_key(k) for k in _keys(checkpoint / "model.safetensors"))
+    # what the critic trains, never the frozen weights (a copy's are rebuilt from the policy on resume)
+    assert set(os.listdir(checkpoint / "value_model")) & {"value_adapter.safetensors", "value_head.safetensors",
+                                                          "model.safetensors"} == {"value_adapter.safetensors",
+                                                                                   "value_head.safetensors"}
     resumed = _lora_trainer(toy_model_dir, toy_dataset, tmp_path / "b", mode, **run)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     final = dict(full.model.named_parameters())
@@ -661,6 +688,190 @@ def test_lora_critic_warmup_with_step_rewards(toy_model_dir, toy_dataset, tmp_pa
     assert frozen and all(torch.equal(s[0][n], s[3][n]) for n in frozen)  # the frozen copy never moves
     returns = [h["value/return_mean"] for h in trainer.state.log_history if "value/return_mean" in h]
     assert max(returns) > 1.0  # step rewards (lengths) on top of the 0/1 outcome
+
+
+# ------------------------------------------------------------------------------------------------ Hub, best model
+class FakeHub:
+    """`transformers.trainer.hf_api()` without a network: the repo's creation answers with its id, and each upload
+    records what the Hub would receive (the folder's files less `ignore_patterns`, as huggingface_hub filters them,
+    and the tensors of every safetensors file), read when the upload is made."""
+
+    def __init__(self, finished=True):
+        self.uploads = []
+        self.finished = finished  # False: the uploads made in the background stay in flight until `finish()`
+        self.pending = []
+
+    def create_repo(self, repo_id, **kwargs):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(repo_id=repo_id)
+
+    def upload_folder(self, *, folder_path, path_in_repo=None, ignore_patterns=None, run_as_future=False, **kwargs):
+        import fnmatch
+        from concurrent.futures import Future
+
+        from safetensors.torch import load_file
+
+        files = {}
+        for root, _, names in os.walk(folder_path):
+            for name in names:
+                rel = os.path.relpath(os.path.join(root, name), folder_path).replace(os.sep, "/")
+                if not any(fnmatch.fnmatch(rel, pattern) for pattern in ignore_patterns or ()):
+                    files[rel] = load_file(os.path.join(root, name)) if name.endswith(".safetensors") else None
+        self.uploads.append({"path_in_repo": path_in_repo or "", "files": files})
+        if not run_as_future:
+            return "https://huggingface.co/user/toy"
+        future = Future()
+        self.pending.append(future)
+        if self.finished:
+            self.finish()
+        return future
+
+    def finish(self):
+        for future in self.pending:
+            future.set_result(None)
+        self.pending = []
+
+
+def _tensors(folder):
+    """Every tensor of the safetensors files of `folder`, keyed by file and tensor name."""
+    from safetensors.torch import load_file
+
+    return {(f, k): v for f in sorted(os.listdir(folder)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(folder, f)).items()}
+
+
+def _uploaded_value_model(upload):
+    return {(path[len("value_model/"):], k): v for path, tensors in upload["files"].items()
+            if path.startswith("value_model/") and tensors is not None for k, v in tensors.items()}
+
+
+def _same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("algo, critic, hub_strategy", [
+    ("ppo", "full", "every_save"),
+    ("ppo", "full", "end"),
+    ("ppo", "full", "checkpoint"),
+    ("ppo", "full", "all_checkpoints"),
+    ("ppo", "reference", "all_checkpoints"),
+    ("ppo", "policy_adapter", "every_save"),
+    ("vapo", "full", "checkpoint"),
+])
+def test_every_push_carries_the_policy_alone_and_the_critic_in_value_model(
+    toy_model_dir, toy_dataset, tmp_path, monkeypatch, algo, critic, hub_strategy
+):
+    """With `push_to_hub=True` transformers pushes from every checkpoint (`hub_strategy` other than "end"): it copies
+    the checkpoint's weight files into `output_dir` and uploads that, and "checkpoint"/"all_checkpoints" upload the
+    checkpoint folder too. Every upload (Hub API faked) holds the policy's weights without a critic key, and the critic
+    of the same step in `value_model/`."""
+    import transformers.trainer as hf_trainer
+
+    from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
+
+    hub = FakeHub()
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    run = dict(max_steps=2, save_strategy="steps", save_steps=1, critic_learning_rate=1e-2, push_to_hub=True,
+               hub_model_id="user/toy", hub_strategy=hub_strategy)
+    if algo == "vapo":
+        trainer = VAPOTrainer(toy_model_dir, addition_reward, train_dataset=toy_dataset,
+                              args=toy_args(VAPOConfig, tmp_path, value_pretrain_steps=1, **run))
+    elif critic == "full":
+        trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, **run)
+    else:
+        trainer = _lora_trainer(toy_model_dir, toy_dataset, tmp_path, critic, **run)
+    trainer.train()
+    trainer.push_to_hub()
+
+    pushes_per_save = {"end": 0, "every_save": 1}.get(hub_strategy, 2)  # the output_dir, and the checkpoint folder
+    assert len(hub.uploads) == 2 * pushes_per_save + 1
+    for upload in hub.uploads:
+        files = upload["files"]
+        weights = {path: tensors for path, tensors in files.items()
+                   if tensors is not None and not path.startswith("value_model/")}
+        assert weights, (upload["path_in_repo"], sorted(files))
+        critic_keys = [k for tensors in weights.values() for k in tensors if is_critic_key(k)]
+        assert critic_keys == [], (upload["path_in_repo"], len(critic_keys), sum(map(len, weights.values())))
+        assert not any(path.startswith("critic/") for path in files)  # nor PEFT's folder for a second adapter
+        assert "value_model/config.json" in files and _uploaded_value_model(upload), upload["path_in_repo"]
+
+    # the critic uploaded with a step's policy is that step's (the checkpoint's; at the end, the trained critic's)
+    model_pushes = [u for u in hub.uploads if u["path_in_repo"] == ""]
+    steps = [1, 2][: len(model_pushes) - 1] + [2]
+    for step, upload in zip(steps, model_pushes):
+        saved = _tensors(tmp_path / "out" / f"checkpoint-{step}" / "value_model")
+        assert _same_tensors(_uploaded_value_model(upload), saved), step
+    folders = [u["path_in_repo"] for u in hub.uploads if u["path_in_repo"]]
+    expected = {"end": [], "every_save": [], "checkpoint": ["last-checkpoint"] * 2,
+                "all_checkpoints": ["checkpoint-1", "checkpoint-2"]}[hub_strategy]
+    assert folders == expected
+
+
+def test_no_critic_is_copied_into_output_dir_while_its_upload_is_in_flight(toy_model_dir, toy_dataset, tmp_path,
+                                                                          monkeypatch):
+    """transformers skips a checkpoint's push while the previous upload of `output_dir` is still running (it would
+    read the files being replaced): the critic copied there for that upload stays until it is done."""
+    import transformers.trainer as hf_trainer
+    from transformers import TrainerCallback
+
+    hub = FakeHub(finished=False)
+
+    class UploadsEndWithTraining(TrainerCallback):  # `train()` waits for them after `on_train_end`
+        def on_train_end(self, args, state, control, **kwargs):
+            hub.finish()
+
+    monkeypatch.setattr(hf_trainer, "hf_api", lambda: hub)
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, max_steps=2, save_strategy="steps", save_steps=1,
+                       critic_learning_rate=1e-2, push_to_hub=True, hub_model_id="user/toy")
+    trainer.add_callback(UploadsEndWithTraining())
+    trainer.train()
+    assert len(hub.uploads) == 1  # step 2's push was skipped
+    first = _tensors(tmp_path / "out" / "checkpoint-1" / "value_model")
+    assert _same_tensors(_tensors(tmp_path / "out" / "value_model"), first)
+    assert not _same_tensors(_tensors(tmp_path / "out" / "checkpoint-2" / "value_model"), first)
+
+
+@pytest.mark.parametrize("policy, critic_backbone", [("peft", "full"), ("peft", "lora"), ("full", "full"),
+                                                     ("full", "lora")])
+def test_best_model_at_end_restores_the_best_steps_critic(toy_model_dir, toy_dataset, tmp_path, policy,
+                                                          critic_backbone):
+    """`load_best_model_at_end=True`: the best step's critic comes back with the best step's policy (transformers
+    reloads only the policy, and for a PEFT policy only its adapter), so the exported `value_model/` is the best
+    checkpoint's critic, not the last step's. Step 1 scores best here, the run ends at step 2."""
+    from peft import LoraConfig
+    from test_vapo import Snapshots
+    from transformers import TrainerCallback
+
+    class FirstStepBest(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_score"] = -state.global_step  # the dict transformers then reads for the best metric
+
+    snaps = Snapshots()
+    args = toy_args(PPOConfig, tmp_path, max_steps=2, save_strategy="steps", save_steps=1, eval_strategy="steps",
+                    eval_steps=1, load_best_model_at_end=True, metric_for_best_model="score", greater_is_better=True,
+                    critic_backbone=critic_backbone, critic_learning_rate=1e-2,
+                    kl_in_reward_coef=0.05 if critic_backbone == "lora" else 0.0)
+    peft_config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM") \
+        if policy == "peft" else None
+    trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset,
+                         eval_dataset=toy_dataset.select(range(2)), peft_config=peft_config,
+                         callbacks=[snaps, FirstStepBest()])
+    snaps.trainer = trainer
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "out" / "checkpoint-1")
+    s = snaps.steps
+    now = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    critic = [n for n in now if is_critic_key(n) and not torch.equal(s[1][n], s[2][n])]
+    policy_moved = [n for n in now if not is_critic_key(n) and not torch.equal(s[1][n], s[2][n])]
+    assert critic and policy_moved  # both moved in step 2, so the checks below can tell the steps apart
+    assert all(torch.equal(now[n], s[1][n]) for n in policy_moved)  # transformers' part: the best policy
+    assert [n for n in critic if not torch.equal(now[n], s[1][n])] == []
+
+    trainer.save_model(str(tmp_path / "export"))
+    best = _tensors(tmp_path / "out" / "checkpoint-1" / "value_model")
+    assert best and _same_tensors(_tensors(tmp_path / "export" / "value_model"), best)
+    assert not _same_tensors(_tensors(tmp_path / "out" / "checkpoint-2" / "value_model"), best)
 
 
 # ------------------------------------------------------------------------------------------------ learning

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import TrainerCallback
 
 from trl_ppo_variants.advantages import gae, masked_whiten
-from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.critic import critic_values, is_critic_key
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
 
@@ -407,5 +407,6 @@ def test_two_processes(tmp_path, toy_model_dir, backend, launch, port, critic):
     # the critic next to the exported policy: the backbone and head (26 tensors), or the adapter (A and B on the 7
     # projections of 2 layers) and the head
     assert len(main["value_model_keys"]) == (26 if critic == "full" else 2 * 7 * 2 + 2)
-    if critic != "lora-peft":  # PEFT's checkpoint is the adapter; the critic is in value_model/ (tested in test_ppo)
-        assert any(k.startswith("critic.") for k in main["checkpoint_keys"])
+    # the checkpoint: the policy's weights alone (transformers pushes them as they are), the critic in value_model/
+    assert main["checkpoint_keys"] and not any(is_critic_key(k) for k in main["checkpoint_keys"])
+    assert "value_model" in main["checkpoint_files"]

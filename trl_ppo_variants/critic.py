@@ -17,12 +17,11 @@ needed). Two backbones (`critic_backbone`):
     moves, `value_model_path`, DeepSpeed ZeRO-3, which partitions the reference model in its own engine).
 
 The critic is attached to the policy as a submodule (`policy.critic`; PEFT: of its base model), so the trainer prepares
-ONE model: DDP and DeepSpeed ZeRO-2/3 see every trained parameter in one engine and one optimizer (a second,
-separately prepared model is rejected by DeepSpeed), a checkpoint of the policy holds `critic.*` and resumes with it,
-and the critic is called directly as a submodule, never through the engine's `forward` (which runs the policy). A
-borrowed base (the reference model, the PEFT policy's base) is not a registered submodule of the critic: it is neither
-trained, saved with the critic nor prepared twice. The PEFT adapter's parameters are the policy's
-(`...lora_A.critic.weight`): `is_critic_key` counts them as the critic's.
+ONE model: DDP and DeepSpeed ZeRO-2/3 see every trained parameter in one engine and one optimizer (a second, separately
+prepared model is rejected by DeepSpeed), and the critic is called directly as a submodule, never through the engine's
+`forward` (which runs the policy). A borrowed base (the reference model, the PEFT policy's base) is not a registered
+submodule of the critic: it is neither trained, saved with the critic nor prepared twice. The PEFT adapter's parameters
+are the policy's (`...lora_A.critic.weight`): `is_critic_key` counts them as the critic's.
 
 Gradient checkpointing reaches a shared base through the critic: during the critic's forward its decoder layers
 checkpoint with a function whose backward replay runs inside the critic's context again (adapter on, dropout off),
@@ -33,7 +32,10 @@ plus weights keyed `<base_model_prefix>.*` and `score.*`, the layout of transfor
 the architecture has that class, `AutoModelForTokenClassification.from_pretrained` loads it as before, and checkpoints
 written before this class existed load into it unchanged. A LoRA critic saves the adapter (`value_adapter.safetensors`, PEFT's
 key names relative to the backbone), the head (`value_head.safetensors`) and the config, which names the frozen base and
-the adapter's settings. `load_value_model(path)` loads either kind on its own.
+the adapter's settings. `load_value_model(path)` loads either kind on its own. Checkpoints hold the critic the same
+way, in `value_model/` beside the policy's weights (which never hold it: transformers pushes a checkpoint's weight
+files to the Hub as they are); `holds_critic_weights` recognises the checkpoints written before, with `critic.*` in
+the policy's weights.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ __all__ = [
     "critic_parameters",
     "critic_values",
     "is_critic_key",
+    "holds_critic_weights",
     "split_critic_state_dict",
     "detached_critic",
     "save_critic",
@@ -808,6 +811,22 @@ def _critic_local_key(name: str) -> str:
     marker = CRITIC_ATTR + "."
     idx = 0 if name.startswith(marker) else name.index("." + marker) + 1
     return name[idx + len(marker) :]
+
+
+def holds_critic_weights(path: str) -> bool:
+    """Whether the policy's weight files in the checkpoint folder `path` hold critic keys (checkpoints written before
+    the critic was saved apart, in `value_model/`)."""
+    from safetensors import safe_open
+
+    for file in _checkpoint_files(path):
+        if not file.endswith(".safetensors"):
+            if _read_tensors([file], is_critic_key):
+                return True
+            continue
+        with safe_open(file, "pt") as handle:
+            if any(is_critic_key(key) for key in handle.keys()):
+                return True
+    return False
 
 
 def split_critic_state_dict(state_dict: dict) -> tuple[dict, dict]:

@@ -47,6 +47,9 @@ TRL_PRIVATE_API = {
     "_generate": ("self", "prompts"),  # ReMax
     "_save": ("self", "output_dir", "state_dict"),  # PPO (value model)
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # PPO (value model)
+    "_load_best_model": ("self",),  # PPO (value model)
+    "_push_from_checkpoint": ("self", "checkpoint_folder"),  # PPO (value model)
+    "_issue_warnings_after_load": ("self", "load_result"),  # PPO (value model)
 }
 
 

@@ -2,10 +2,11 @@
 
 On top of `GRPOTrainer`'s generation, rewards, vLLM and PEFT:
 
-- a critic (see `critic.py`): a backbone plus a scalar head, attached to the policy as `policy.critic`, so that DDP
-  and DeepSpeed ZeRO-2/3 prepare one model and one optimizer, and checkpoints hold it. `critic_backbone="full"` trains
-  a copy of the backbone; `"lora"` trains a LoRA adapter over frozen weights shared with the PEFT policy's base model
-  or the reference model where there is one (else a frozen copy): the critic then costs an adapter and a head;
+- a critic (see `critic.py`): a backbone plus a scalar head, attached to the policy as `policy.critic`, so that DDP and
+  DeepSpeed ZeRO-2/3 prepare one model and one optimizer; checkpoints hold it in `value_model/`, apart from the policy's
+  weights (what transformers pushes from a checkpoint is then the policy alone). `critic_backbone="full"` trains a copy
+  of the backbone; `"lora"` trains a LoRA adapter over frozen weights shared with the PEFT policy's base model or the
+  reference model where there is one (else a frozen copy): the critic then costs an adapter and a head;
 - rollout: the critic's values of the sampling-time state (no grad) travel in the batch ("old_values"); token rewards
   are the outcome at the last valid token minus `kl_in_reward_coef * k1` at every token (base's `reference_kl`);
   GAE (`advantages.gae`) gives advantages and returns; advantages are whitened over the valid tokens of the whole
@@ -41,11 +42,13 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from accelerate.utils import is_peft_model
+from transformers.trainer_utils import HubStrategy
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from .. import selection
@@ -61,6 +64,7 @@ from ..critic import (
     detached_critic,
     explained_variance,
     get_critic,
+    holds_critic_weights,
     is_critic_key,
     load_critic,
     policy_module,
@@ -136,7 +140,8 @@ class PPOConfig(StepRewardFields, VariantConfig):
             the step, so it cannot be shifted). Resumable.
         save_value_model (`bool`, *optional*, defaults to `True`):
             When exporting (`trainer.save_model()`), save the critic to `<output_dir>/value_model`. The exported
-            policy never holds the critic's weights. Checkpoints always hold the critic.
+            policy never holds the critic's weights. Also decides whether the pushes made from checkpoints
+            (`push_to_hub=True`) upload the critic. Checkpoints always hold the critic (in `value_model/`).
         kl_in_reward_coef (`float`, *optional*, defaults to `0.05`):
             Coefficient of the per-token k1 KL to the reference subtracted from the token rewards (TRL's former
             `PPOConfig.kl_coef`). `0.0` skips the reference model.
@@ -546,11 +551,10 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
             self._pushing = False
 
     def _save(self, output_dir: str | None = None, state_dict=None):
+        # Checkpoints too keep the critic out of the policy's weights (in `value_model/`): transformers pushes a
+        # checkpoint's weight files as they are (`_push_from_checkpoint`, `hub_strategy="checkpoint"`), so every copy
+        # of a checkpoint must already be the policy alone. Resume and the best model read the critic back from there.
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        peft = is_peft_model(self.model)
-        if not self._exporting and not peft:
-            # a checkpoint of the full model: `critic.*` travels inside the weights and resumes with them
-            return super()._save(output_dir, state_dict=state_dict)
         critic_state = None
         if state_dict:  # gathered by DeepSpeed: split it; `{}` is DeepSpeed's dummy when it cannot gather
             state_dict, critic_state = split_critic_state_dict(state_dict)
@@ -560,21 +564,53 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
             return
         if state_dict == {} and not critic_state:
             return  # ZeRO-3 without 16-bit gathering: the critic is in DeepSpeed's own checkpoint files
-        # PEFT saves only the adapter: without this the critic would be lost from every checkpoint
         save_critic(critic, os.path.join(output_dir, VALUE_MODEL_DIR), state_dict=critic_state,
                     is_main_process=self.args.should_save)
         if self.args.should_save and self.processing_class is not None:  # so that value_model/ loads on its own
             self.processing_class.save_pretrained(os.path.join(output_dir, VALUE_MODEL_DIR))
 
+    def _push_from_checkpoint(self, checkpoint_folder):
+        # transformers copies the checkpoint's policy files into `output_dir` and uploads that folder: the critic of
+        # the same step goes with them. Not while an earlier upload of `output_dir` may still be reading it (the
+        # condition under which transformers skips this push).
+        args = self.args
+        source = os.path.join(checkpoint_folder, VALUE_MODEL_DIR)
+        # `push_in_progress` exists on the main process only
+        pushes = (self.is_world_process_zero() and args.hub_strategy != HubStrategy.END and (
+            args.hub_always_push or self.push_in_progress is None or self.push_in_progress.is_done()))
+        if pushes and args.save_value_model and os.path.isdir(source):
+            target = os.path.join(args.output_dir, VALUE_MODEL_DIR)
+            shutil.rmtree(target, ignore_errors=True)  # a LoRA critic's files and a full critic's differ
+            shutil.copytree(source, target)
+        super()._push_from_checkpoint(checkpoint_folder)
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        if is_peft_model(self.model):
-            path = os.path.join(resume_from_checkpoint, VALUE_MODEL_DIR)
-            if not os.path.isdir(path):
-                raise FileNotFoundError(f"{resume_from_checkpoint} holds no critic ({VALUE_MODEL_DIR}/ is missing)")
-            load_critic(self.critic, path)
-            if hasattr(self.critic, "restore_trainable"):  # PEFT's adapter loading resets which adapter trains
-                self.critic.restore_trainable()
+        self._load_checkpoint_critic(resume_from_checkpoint)
+
+    def _load_best_model(self):
+        # transformers reloads the policy alone (a PEFT policy: its adapter alone); the exported `value_model/` must
+        # be the same step's critic
+        super()._load_best_model()
+        if not self.is_deepspeed_enabled:  # DeepSpeed's engine checkpoint brought the critic back with the policy
+            self._load_checkpoint_critic(self.state.best_model_checkpoint)
+
+    def _load_checkpoint_critic(self, checkpoint: str) -> None:
+        path = os.path.join(checkpoint, VALUE_MODEL_DIR)
+        if not os.path.isdir(path):
+            if not is_peft_model(self.model) and holds_critic_weights(checkpoint):
+                return  # written when checkpoints kept `critic.*` in the policy's weights: loaded with them
+            raise FileNotFoundError(f"{checkpoint} holds no critic ({VALUE_MODEL_DIR}/ is missing)")
+        load_critic(self.critic, path)
+        if hasattr(self.critic, "restore_trainable"):  # PEFT's adapter loading resets which adapter trains
+            self.critic.restore_trainable()
+
+    def _issue_warnings_after_load(self, load_result):
+        # the policy's weights are loaded before the critic, which is never in them: not a missing key
+        if hasattr(load_result, "_replace"):
+            load_result = load_result._replace(
+                missing_keys=[k for k in load_result.missing_keys if not is_critic_key(k)])
+        super()._issue_warnings_after_load(load_result)
 
 
 class PolicySyncRefModelCallback(SyncRefModelCallback):
