@@ -2,8 +2,11 @@
 equality with the training forward's log-probs on the toy model (fp32, CPU), the advantages that follow, and the
 fallback. The 2-process run with split groups is tests/scripts/sampling_logps_2proc.py (slow test at the end)."""
 
+import importlib.util
+import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +27,15 @@ from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 ROOT = Path(__file__).resolve().parents[1]
 G = 4
 FALLBACK = "sampling_logps/forward_fallback"
+_spec = importlib.util.spec_from_file_location("sampling_logps_bound", ROOT / "bench" / "sampling_logps_bound.py")
+bound = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bound)
+
+
+def _measured(name: str = "sampling_logps_bound") -> dict:
+    """The bound measured by bench/sampling_logps_bound.py: per precision, the max over its cells of `max_token`,
+    `max_sequence` and `max_abs_kl`."""
+    return json.loads((ROOT / "bench" / "results" / f"{name}.json").read_text())["summary"]
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces
@@ -200,13 +212,13 @@ SETTINGS = {
 def test_generate_logps_equal_the_training_forward(setting, toy_model_dir, toy_dataset, tmp_path):
     """fp32 on CPU: the recorded log-probs equal `_get_per_token_logps_and_entropies` on the full sequences to 1e-5,
     with ragged prompts (left padding), EOS mid-batch, and logits processors / warpers that must not leak into them
-    (the forward has none; recording the processed scores instead fails this test). bf16 autocast, PEFT and the
-    other configurations run through `train()` in the matrix below. There, under bf16 autocast, a prepared plain
-    model's forward is wrapped in accelerate's autocast, so its `generate` already ran under it (exactly equal on
-    unpadded rows; padded rows differed by bf16 rounding of the shifted RoPE positions until the recording
-    `generate` took TRL's positions), while PEFT's `generate` runs the base model's forward outside it (fp32
-    decoding: a KL in the reward of 8e-4 at step 0 with policy == reference) unless the trainer runs the recording
-    `generate` under that autocast, as it now does."""
+    (the forward has none; recording the processed scores instead fails this test). bf16 autocast, PEFT and the other
+    configurations run through `train()` in the matrix below. There, under bf16 autocast, a prepared plain model's
+    forward is wrapped in accelerate's autocast, so its `generate` already ran under it (padded rows also differed by
+    bf16 rounding of the shifted RoPE positions until the recording `generate` took TRL's positions; what remains is
+    the attention kernel's rounding, within the bound measured below), while PEFT's `generate` runs the base model's
+    forward outside it (fp32 decoding: a KL in the reward of 8e-4 at step 0 with policy == reference) unless the
+    trainer runs the recording `generate` under that autocast, as it now does."""
     args = toy_args(RLOOConfig, tmp_path, beta=0.05, max_completion_length=8, per_device_train_batch_size=12,
                     bf16=False, **SETTINGS[setting])
     trainer = RLOOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
@@ -471,10 +483,89 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
         f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
 
 
+# ------------------------------------------------------------------------------------------------ the bound
+@pytest.mark.timeout(300)
+def test_recorded_logps_stay_within_the_measured_bound(toy_model_dir, tmp_path):
+    """Cells of bench/sampling_logps_bound.py, live (one step, policy == reference, 32 completions forced to full
+    length): fp32 within 1e-5 and the fp32 bound; under bf16 autocast over fp32 weights not the forward's numbers,
+    which the docs claimed before issue 28 (CPU's fused attention kernel rounds the KV-cached calls of `generate`
+    differently from the forward's full sequence, padded or not, with or without LoRA), but within the bound the
+    bench measured over paddings of 0-6 words and 4-32 tokens, which the docs now state. With
+    `sampling_logps_source="forward"` the step-0 KL is 0."""
+    measured = _measured()
+    cells = {
+        (precision, pad, length, lora): bound.measure(toy_model_dir, "toy", pad, length, precision == "bf16", lora,
+                                                      output_dir=str(tmp_path))
+        for precision, pad, length, lora in [("bf16", 4, 4, False), ("bf16", 0, 16, False), ("bf16", 4, 16, True),
+                                             ("fp32", 4, 16, False), ("fp32", 0, 16, True)]
+    }
+    for (precision, *_), cell in cells.items():
+        assert cell["fallback"] == 0.0 and cell["tokens"] == 32 * cell["length"]
+        assert cell["max_token"] <= measured[precision]["max_token"], cell
+        assert cell["max_sequence"] <= measured[precision]["max_sequence"], cell
+        assert abs(cell["kl"]) <= measured[precision]["max_abs_kl"], cell
+    assert max(c["max_token"] for c in cells.values() if c["precision"] == "fp32") <= 1e-5
+    assert cells["bf16", 4, 4, False]["max_pad_tokens"] == 8 and cells["bf16", 0, 16, False]["max_pad_tokens"] == 0
+    # padded (the issue's 4 words) and unpadded alike: not the forward's numbers
+    assert cells["bf16", 4, 4, False]["max_token"] > 1e-2 and cells["bf16", 0, 16, False]["max_token"] > 1e-2
+    control = bound.measure(toy_model_dir, "toy", 4, 4, True, False, source="forward", output_dir=str(tmp_path))
+    assert control["kl"] == 0.0 and control["max_token"] == 0.0
+
+
+def _section(text: str, start: str, end: str) -> str:
+    """The text from `start` to the next `end` after it, whitespace squashed (reflowed lines allowed)."""
+    text = " ".join(text.split())
+    assert start in text, start
+    head = text[text.index(start):]
+    return head[: head.index(end)] if end in head else head
+
+
+def test_docs_state_the_measured_bound():
+    """README, docs/reliability.md, the `sampling_logps_source` docstring and the generation module state the bound
+    that bench/sampling_logps_bound.py measured (toy model: per token, per completion, step-0 KL, bf16 and fp32;
+    SmolLM2-135M: per token, per completion and KL in bf16, per token in fp32; with eager attention, per token), and
+    nowhere an exact equality under bf16; bench/README.md has the bench's bf16 table."""
+    from trl_ppo_variants.trainers.base import VariantConfig
+
+    toy, eager, smollm2, smollm2_eager = (_measured(name) for name in (
+        "sampling_logps_bound", "sampling_logps_bound_eager", "sampling_logps_bound_smollm2",
+        "sampling_logps_bound_smollm2_eager"))
+    shown = bound.shown
+    numbers = [shown(toy["bf16"]["max_token"]), shown(toy["bf16"]["max_sequence"]), shown(toy["bf16"]["max_abs_kl"]),
+               shown(toy["fp32"]["max_token"]), shown(toy["fp32"]["max_abs_kl"]),
+               shown(smollm2["bf16"]["max_token"]), shown(smollm2["bf16"]["max_sequence"]),
+               shown(smollm2["bf16"]["max_abs_kl"]), shown(smollm2["fp32"]["max_token"])]
+    readme = (ROOT / "README.md").read_text()
+    reliability = (ROOT / "docs" / "reliability.md").read_text()
+    sections = {
+        "README, KL section": _section(readme, "A KL in the reward needs the sampling policy's", "`RLOOConfig`"),
+        "reliability.md": _section(reliability, "## The KL in the reward takes the sampling log-probs",
+                                   "## Not guaranteed"),
+    }
+    for where, text in sections.items():
+        for number in numbers + [shown(eager["bf16"]["max_token"]), shown(smollm2_eager["bf16"]["max_token"])]:
+            assert f" {number} " in text or f" {number}," in text or f" {number})" in text or f" {number};" in text, (
+                where, number)
+    short = {
+        "README, what we do better": _section(readme, "**A KL in the reward at no extra forward.**", "- **"),
+        "VariantConfig docstring": _section(VariantConfig.__doc__, "sampling_logps_source (`str`", "max_unscorable"),
+        "generation module": _section(generation.__doc__, "What is recorded:", "How."),
+    }
+    for where, text in short.items():
+        for number in (shown(toy["bf16"]["max_token"]), shown(toy["fp32"]["max_token"]),
+                       shown(smollm2["bf16"]["max_token"])):
+            assert number in text, (where, number)
+    for text in (readme, reliability, VariantConfig.__doc__, generation.__doc__):
+        assert not re.search(r"exact(ly)? under bf16", " ".join(text.split()))
+    cells = json.loads((ROOT / "bench" / "results" / "sampling_logps_bound.json").read_text())["cells"]
+    assert bound.bf16_table(cells) in (ROOT / "bench" / "README.md").read_text()
+
+
 # ------------------------------------------------------------------------------------------------ the matrix
-# Every configuration a user can reach with HF `generate`: the recorded log-probs are the training forward's (1e-5;
-# exact under bf16 autocast on CPU) and the KL in the reward is 0 at step 0 with policy == reference, or the trainer
-# takes the forward pass (logged), and trains. Each row is one optimizer step of a fresh trainer.
+# Every configuration a user can reach with HF `generate`: the recorded log-probs are the training forward's (1e-5 in
+# fp32; under bf16 autocast on CPU within the bound measured by bench/sampling_logps_bound.py) and the KL in the
+# reward is 0 at step 0 with policy == reference (within that bound under bf16), or the trainer takes the forward
+# pass (logged), and trains. Each row is one optimizer step of a fresh trainer.
 @pytest.fixture(scope="module")
 def gpt2_model_dir(tmp_path_factory):
     """A tiny GPT-2 (learned absolute position embeddings), random, no dropout, LM head untied."""
@@ -484,7 +575,8 @@ def gpt2_model_dir(tmp_path_factory):
 
 
 def _prompts(padded: bool, n: int = 64):
-    """The toy prompts (all of one length) or, `padded`, some lengthened by 1-2 words: left padding in each batch."""
+    """The toy prompts (all of one length) or, `padded`, some lengthened by 1-4 words: left padding in each batch (by
+    up to 2 words, bf16 rows happened to be exact; issue 28)."""
     from datasets import Dataset
 
     from trl_ppo_variants.toy import addition_dataset
@@ -492,7 +584,7 @@ def _prompts(padded: bool, n: int = 64):
     rows = [dict(row) for row in addition_dataset(n, seed=0)]
     if padded:
         for i, row in enumerate(rows):
-            row["prompt"] = "a " * (i % 3) + row["prompt"]
+            row["prompt"] = "a " * (i % 5) + row["prompt"]
     return Dataset.from_list(rows)
 
 
@@ -551,8 +643,12 @@ def test_recorded_logps_equal_the_forward_or_fall_back(name, toy_model_dir, gpt2
     output, used, forward, mask = seen[0]
     assert (output["prompt_mask"] == 0).any() == padded
     logged = trainer.state.log_history[0]
-    assert abs(logged["kl_in_reward"]) < 1e-6 and math.isfinite(logged["loss"])
-    torch.testing.assert_close(used[mask], forward[mask], rtol=0, atol=1e-5)
+    # under bf16 the recorded numbers are within the measured per-token bound (so is the KL, a mean of them), not
+    # equal; the forward fallback is the forward's numbers in any precision
+    recorded_bf16 = expected == "recorded" and args.bf16
+    atol = _measured()["bf16"]["max_token"] if recorded_bf16 else 1e-5
+    assert abs(logged["kl_in_reward"]) <= (atol if recorded_bf16 else 1e-6) and math.isfinite(logged["loss"])
+    torch.testing.assert_close(used[mask], forward[mask], rtol=0, atol=atol)
     if expected == "recorded":
-        torch.testing.assert_close(output["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=1e-5)
+        torch.testing.assert_close(output["sampling_per_token_logps"][mask], forward[mask], rtol=0, atol=atol)
     assert logged.get(FALLBACK) == (0.0 if expected == "recorded" else 1.0)

@@ -8,12 +8,16 @@ none, so the trainers ran one more no-grad forward pass of the policy over the w
 are taken from the forward passes `generate` runs anyway.
 
 What is recorded: `log_softmax(z_t / T)[y_t]`, with `z_t` the model's raw logits at step t (before every logits
-processor: repetition penalty, no-repeat n-grams, min length, ...; before temperature, top-k, top-p and min-p
-warping) and `T` the trainer's `temperature`. That is what `GRPOTrainer._get_per_token_logps_and_entropies`
-computes on the full sequence (TRL's fused LM head divides the logits by the temperature and takes the log-softmax
-over the whole vocabulary), so on the same kernels the two agree to float rounding (tested to 1e-5 in fp32 on CPU).
-On a GPU they differ as much as the KV-cached decoding kernels of `generate` differ from the training forward
-(bf16 matmuls in another order): the same training/inference mismatch that TRL accepts for vLLM's log-probs.
+processor: repetition penalty, no-repeat n-grams, min length, ...; before temperature, top-k, top-p and min-p warping)
+and `T` the trainer's `temperature`. That is what `GRPOTrainer._get_per_token_logps_and_entropies` computes on the full
+sequence (TRL's fused LM head divides the logits by the temperature and takes the log-softmax over the whole
+vocabulary), so the two agree up to the rounding of the kernel calls, which are not the same: `generate` runs the model
+on the prompt, then on one position at a time against the KV cache, the forward once over the whole sequence. Measured
+on CPU on the toy model (`bench/sampling_logps_bound.py`: prompts padded by 0-6 words, 4-32 new tokens): at most 5.2e-6
+per token in fp32, at most 0.072 per token under bf16 autocast (0.28 on SmolLM2-135M), whose kernels round by call
+shape, padded or not (docs/reliability.md has the table, SmolLM2-135M's included). On a GPU the KV-cached decoding
+kernels differ from the training forward's too: the same training/inference mismatch that TRL accepts for vLLM's
+log-probs.
 
 How. transformers runs the user's logits processors *after* its own (repetition penalty, ...), so a processor only
 sees penalised scores. Two pieces work together:
@@ -42,7 +46,7 @@ Where the recorded numbers are the training forward's, and where they cannot be 
   included). With rotary embeddings only position differences enter attention and the shift cancels in exact
   arithmetic, not in rounding (7e-3 per token under bf16 autocast on CPU): for such models a recording `generate`
   is given the forward's positions (`patched_generate(column_positions=True)`), which samples from the same
-  distribution with the forward's rounding. With a learned or sinusoidal position table (GPT-2, GPT-Neo,
+  distribution with the forward's rounding of the rotation. With a learned or sinusoidal position table (GPT-2, GPT-Neo,
   GPT-BigCode, OPT, ...) or a RoPE whose frequencies depend on the largest position ("dynamic", "longrope") the
   shift does not cancel, and giving `generate` the forward's positions would change what is sampled (away from
   TRL's, to positions the model never sees at inference); the KL in the reward must compare like with like (the
