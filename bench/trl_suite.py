@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,11 +44,13 @@ TEST_FILE = "tests/test_grpo_trainer.py"
 #: trainers whose default config needs more steps than the cap: they run the tests' own lengths
 OWN_LENGTH = {"vapo": "its value pre-training (value_pretrain_steps=50) needs more than the cap"}
 DEFAULT_OUT = BENCH / "results" / "trl_suite"
+#: what is exported from TRL's repository
+TRL_PARTS = ("tests", "scripts", "pyproject.toml")
 
 
 def export_trl(trl: Path, rev: str, dest: Path) -> str:
     """Copy `tests/`, `scripts/` and `pyproject.toml` of the TRL checkout or git directory `trl` into `dest`; return a
-    description of what was exported (the commit when known)."""
+    description of what was exported: TRL's commit only (results never name a folder of the machine that ran them)."""
     dest.mkdir(parents=True, exist_ok=True)
     if (trl / TEST_FILE).is_file():
         for part in ("tests", "scripts"):
@@ -56,15 +59,19 @@ def export_trl(trl: Path, rev: str, dest: Path) -> str:
         if (trl / "pyproject.toml").is_file():
             shutil.copy(trl / "pyproject.toml", dest / "pyproject.toml")
         commit = subprocess.run(["git", "-C", str(trl), "rev-parse", "HEAD"], capture_output=True, text=True)
-        return f"{trl} (work tree{', ' + commit.stdout.strip()[:12] if commit.returncode == 0 else ''})"
+        if commit.returncode != 0:
+            return "TRL's repository (a work tree of unknown commit)"
+        dirty = subprocess.run(["git", "-C", str(trl), "status", "--porcelain", "--", *TRL_PARTS],
+                               capture_output=True, text=True).stdout.strip()
+        return f"TRL's repository at {commit.stdout.strip()[:12]}" + (" with local changes" if dirty else "")
     git = ["git", "--git-dir", str(trl)]
     commit = subprocess.run([*git, "rev-parse", rev], capture_output=True, text=True)
     if commit.returncode != 0:
         raise SystemExit(f"--trl: {trl} is neither a TRL work tree (no {TEST_FILE}) nor a git directory with {rev!r}")
-    archive = subprocess.run([*git, "archive", rev, "tests", "scripts", "pyproject.toml"], capture_output=True,
+    archive = subprocess.run([*git, "archive", rev, *TRL_PARTS], capture_output=True,
                              check=True)
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return f"{trl} @ {commit.stdout.strip()[:12]}"
+    return f"TRL's repository at {commit.stdout.strip()[:12]}"
 
 
 def trl_version_note() -> str:
@@ -92,12 +99,18 @@ def run_trainer(key: str, workdir: Path, assets: Path, out: Path, steps: int, ex
     cmd = [sys.executable, "-m", "pytest", TEST_FILE, "-p", "trl_suite_plugin", "-p", "no:cacheprovider", "-q",
            "-o", f"timeout={timeout}", *extra]
     log = runs / f"{key}.log"
+    start = time.monotonic()
     with open(log, "w") as handle:
         proc = subprocess.run(cmd, cwd=workdir, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    wall_s = round(time.monotonic() - start)
     if not report.exists():
         tail = log.read_text(errors="replace").splitlines()[-5:]
-        return {"trainer": key, "tests": {}, "error": f"pytest exited {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(report.read_text())
+        return {"trainer": key, "tests": {}, "error": f"pytest exited {proc.returncode}: " + " | ".join(tail),
+                "wall_s": wall_s}
+    result = json.loads(report.read_text())
+    result["wall_s"] = wall_s
+    report.write_text(json.dumps(result, indent=1))
+    return result
 
 
 def bucket(outcome: str) -> str:
@@ -204,7 +217,8 @@ def main(argv=None) -> int:
             results[key] = result
             counts = Counter(bucket(v["outcome"]) for v in result.get("tests", {}).values())
             print(f"trl_suite: {key}: {counts['passed']} passed, {counts['failed']} failed, "
-                  f"{counts['skipped']} skipped{' (' + result['error'] + ')' if result.get('error') else ''}",
+                  f"{counts['skipped']} skipped, {result.get('wall_s', '?')} s"
+                  f"{' (' + result['error'] + ')' if result.get('error') else ''}",
                   flush=True)
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -213,6 +227,9 @@ def main(argv=None) -> int:
     lengths = f"max_steps {args.steps} where a test leaves it unset" + "".join(
         f"; {k}: the tests' own lengths ({why})" for k, why in OWN_LENGTH.items() if k in keys)
     header = f"{TEST_FILE} of {source}, {trl_version_note()}, {stamp}; {lengths}."
+    walls = [f"{k} {round(r['wall_s'] / 60)}" for k, r in results.items() if r.get("wall_s") is not None]
+    if walls:
+        text += f"\n\nWall time per trainer (minutes, {args.jobs} at a time): " + ", ".join(walls)
     print("\n" + header + "\n\n" + text)
     (out / "trl_suite.md").write_text(header + "\n\n" + text + "\n")
     (out / "trl_suite.json").write_text(json.dumps({"source": source, "date": stamp, "steps": args.steps,

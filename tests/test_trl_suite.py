@@ -84,3 +84,30 @@ def test_plugin_rebinds_the_trainer_and_reports_each_test(tmp_path):
     assert tests["test_cause_is_one_line"] == {"outcome": "failed", "cause": "ValueError: first line"}
     assert tests["test_skipped"] == {"outcome": "skipped", "cause": "test requires vllm"}
     assert json.loads((out / "runs" / "rloo.json").read_text())["trainer"] == "rloo"
+
+
+def _trl_repo(root):
+    """A stand-in TRL repository: the test file, `scripts/` and `pyproject.toml`, one commit; returns that commit."""
+    import subprocess
+
+    (root / "tests").mkdir(parents=True)
+    (root / "tests" / "test_grpo_trainer.py").write_text("def test_x():\n    pass\n")
+    (root / "scripts").mkdir()
+    (root / "scripts" / "generate_zen_dataset.py").write_text("")
+    (root / "pyproject.toml").write_text("[project]\nname = 'trl'\n")
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "x"], check=True)
+    return subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.parametrize("layout", ["work tree", "git directory"])
+def test_results_name_trls_commit_not_a_folder_of_the_machine(tmp_path, layout):
+    commit = _trl_repo(tmp_path / "trl-checkout")
+    trl = tmp_path / "trl-checkout" if layout == "work tree" else tmp_path / "trl-checkout" / ".git"
+    dest = tmp_path / "scratch"
+    source = trl_suite.export_trl(trl, "HEAD", dest)
+    assert (dest / "tests" / "test_grpo_trainer.py").is_file() and (dest / "pyproject.toml").is_file()
+    assert source == f"TRL's repository at {commit[:12]}"
+    assert str(tmp_path) not in source and "trl-checkout" not in source
