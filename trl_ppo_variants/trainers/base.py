@@ -29,7 +29,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import checkpointing, generation, guards, selection
+from .. import checkpointing, generation, guards, selection, vllm_cpu
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..losses import aggregate_token_loss, ppo_clip_policy_loss
 
@@ -257,6 +257,10 @@ class VariantConfig(GRPOConfig):
         check(self.sampling_logps_source in SAMPLING_LOGPS_SOURCES, "sampling_logps_source",
               f"one of {SAMPLING_LOGPS_SOURCES}", self.sampling_logps_source)
         check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
+        if self.use_vllm and self.vllm_mode == "server":
+            check(not vllm_cpu.engine_runs_on_cpu(), "vllm_mode",
+                  "'colocate' with vLLM's CPU build (TRL sends the weights to a `trl vllm-serve` server over NCCL, "
+                  "which needs GPUs)", self.vllm_mode)
         returned = (self.generation_kwargs or {}).get("num_return_sequences") or 1
         check(returned == 1, "generation_kwargs", "no num_return_sequences above 1 (TRL's generation keeps one "
               "completion per prompt row; num_generations sets the group size)", self.generation_kwargs)
@@ -383,14 +387,15 @@ class VariantTrainer(GRPOTrainer):
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
         self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
-        if args is not None and self.needs_reference and args.beta == 0.0:
-            args.beta = 1.0  # only so that TRL loads the reference model; restored below
-            try:
+        with vllm_cpu.cpu_colocate_engine(args):  # vLLM's CPU build: engine dtype and weight sync (vllm_cpu.py)
+            if args is not None and self.needs_reference and args.beta == 0.0:
+                args.beta = 1.0  # only so that TRL loads the reference model; restored below
+                try:
+                    super().__init__(model, reward_funcs, args=args, **kwargs)
+                finally:
+                    args.beta = 0.0
+            else:
                 super().__init__(model, reward_funcs, args=args, **kwargs)
-            finally:
-                args.beta = 0.0
-        else:
-            super().__init__(model, reward_funcs, args=args, **kwargs)
         self.beta = 1.0 if self.needs_reference else 0.0
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
         self.relative_positions = generation.relative_positions(self.model)
