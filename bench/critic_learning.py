@@ -1,7 +1,8 @@
 """Learning on the real model with a LoRA critic (issue 21): PPO and VAPO with `critic_backbone="lora"` against the same
 trainers with the full critic and against `trl.GRPOTrainer`, with the demo's settings (`trl_ppo_variants/demo.py`:
 16 completions a step in groups of 4, 24 new tokens, temperature 0.7, lr 3e-5, 8 policy steps, VAPO's 4 value
-pre-training steps on top; held-out accuracy of 32 questions x 4 samples), one fresh model per run.
+pre-training steps on top; held-out accuracy of 32 questions x 4 samples), one fresh model per run. Issue 28 chose
+PPO's default critic from its seeds 0-2 (the LoRA critic; `ppo` here is the full critic, named in its row).
 
     python bench/critic_learning.py [--seeds 0,1] [--variants grpo,ppo,ppo_lora,vapo,vapo_lora,...] [--out DIR]
 

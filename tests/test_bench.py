@@ -223,7 +223,7 @@ def test_memory_runs_return_freed_buffers_to_the_system(tmp_path):
 def test_critic_learning_rows_pin_the_backbone_and_ratios_to_a_loss_are_not_shares():
     """bench/critic_learning.py: each PPO/VAPO row names its critic (PPO's default changed to the LoRA critic in issue
     28, and the stored "ppo" rows are the full critic's); a share of a mean gain at or below 0 is "n/a" (the full
-    critic's -0.005 made the LoRA critic's +0.138 read "-2760%")."""
+    critic's -0.005 over seeds 0-2 made the LoRA critic's +0.138 read "-2760%")."""
     import critic_learning
 
     for name, (algo, overrides) in critic_learning.VARIANTS.items():

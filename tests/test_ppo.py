@@ -67,7 +67,7 @@ def test_config_defaults(tmp_path):
     assert (args.vf_coef, args.cliprange_value, args.gamma, args.lam) == (0.1, 0.2, 1.0, 0.95)
     assert args.kl_in_reward_coef == 0.05 and args.clip_ratio_c is None and args.value_model_path is None
     assert args.critic_warmup_steps == 0
-    # issue 28: the LoRA critic is PPO's default (on SmolLM2 it learned more than the full critic over seeds 0-2,
+    # issue 28: the LoRA critic is PPO's default (on SmolLM2 it learned more than the full critic over seeds 0-3,
     # bench/critic_learning.py), at ten times the policy's rate (LoRA's usual ratio); a set rate is kept
     assert args.critic_backbone == "lora"
     assert args.effective_critic_learning_rate == pytest.approx(10 * args.learning_rate)
