@@ -63,7 +63,8 @@ def rollouts(model, tokenizer, questions: int, samples: int, seed: int, split: s
     return out, attention, completion_mask, returns
 
 
-def fit(policy, data_train, data_test, backbone: str, lr: float, steps: int, seed: int, batch: int = 16) -> list[dict]:
+def fit(policy, data_train, data_test, backbone: str, lr: float, steps: int, seed: int,
+        batch: int = 16) -> list[dict]:
     import torch
 
     from trl_ppo_variants.critic import build_critic, critic_values

@@ -91,7 +91,8 @@ GUIDE = [
     ("vapo", "long chains of thought where GRPO's sequence-level advantage is too coarse",
      "long-CoT reasoning (AIME 2024, Qwen2.5-32B), value pre-training",
      "a full critic's cost (VAPO's default, as PPO's `critic_backbone=\"full\"`) plus value pre-training steps; "
-     "`critic_backbone=\"lora\"`: {vapo_lora_mem} the memory of GRPO with a reference model, but on 24-token completions {vapo_lora_gain} of the full critic's gain "
+     "`critic_backbone=\"lora\"`: {vapo_lora_mem} the memory of GRPO with a reference model, but on 24-token "
+     "completions {vapo_lora_gain} of the full critic's gain "
      "(the length-adaptive lambda makes the advantages one-step TD errors of the critic)",
      "real model, 10 steps: {vapo_10}; toy {toy_vapo}"),
     ("ttrl", "you have no labels and the model's majority answer is usually right",

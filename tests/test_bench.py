@@ -233,6 +233,7 @@ def test_critic_learning_rows_pin_the_backbone_and_ratios_to_a_loss_are_not_shar
     results = {"runs": {f"{v}/{s}": {**row, "variant": v, "seed": s, "gain": g}
                         for v, gains in {"ppo": [-0.03, 0.02], "ppo_lora": [0.2, 0.1], "grpo": [0.1, 0.1]}.items()
                         for s, g in enumerate(gains)}}
-    lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in critic_learning.summary(results).splitlines()}
+    table = critic_learning.summary(results).splitlines()
+    lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table}
     assert lines["ppo_lora"][4] == "n/a" and lines["ppo_lora"][5] == "150%"
     assert lines["ppo"][5] == "-5%"
