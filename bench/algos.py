@@ -80,7 +80,10 @@ ALGOS = [
          "ReinforcePPTrainer", lambda g: dict(_NO_REF, baseline=True), target="time"),
     Algo("dapo", "DAPO", _OURS + "dapo", "DAPOConfig", "DAPOTrainer",
          lambda g: {"beta": 0.0, "max_generation_rounds": 8}, target="dapo"),
-    Algo("ppo", "PPO", _OURS + "ppo", "PPOConfig", "PPOTrainer", lambda g: dict(_NO_REF), target="value"),
+    # PPO's rows pin the full critic (PPO's default until issue 28, the LoRA critic since): the stored results and the
+    # labels are the full critic's; the LoRA critic's rows are `ppo_lora_ref` and `vapo_lora`
+    Algo("ppo", "PPO", _OURS + "ppo", "PPOConfig", "PPOTrainer",
+         lambda g: dict(_NO_REF, critic_backbone="full"), target="value"),
     Algo("vapo", "VAPO", _OURS + "vapo", "VAPOConfig", "VAPOTrainer",
          # one critic-only step (inside the warm-up, not timed) instead of the paper's 50; the critic's learning rate
          # VAPO's default: twice the policy's
@@ -114,10 +117,10 @@ ALGOS_REF = [
     Algo("reinforce_pp_baseline_ref", "REINFORCE++-baseline, k2 beta=0.04", _OURS + "reinforce_pp",
          "ReinforcePPConfig", "ReinforcePPTrainer", lambda g: {"beta": KL, "kl_in_reward_coef": 0.0, "baseline": True},
          baseline="grpo_ref", target="time"),
-    Algo("ppo_ref", "PPO, KL in reward 0.05 (default)", _OURS + "ppo", "PPOConfig", "PPOTrainer", lambda g: {},
-         baseline="grpo_ref", target="value"),
+    Algo("ppo_ref", "PPO, KL in reward 0.05 (default)", _OURS + "ppo", "PPOConfig", "PPOTrainer",
+         lambda g: {"critic_backbone": "full"}, baseline="grpo_ref", target="value"),
     Algo("ppo_ref_forward", "PPO, KL in reward 0.05, log-probs by a forward", _OURS + "ppo", "PPOConfig",
-         "PPOTrainer", lambda g: dict(_FORWARD), baseline="grpo_ref"),
+         "PPOTrainer", lambda g: dict(_FORWARD, critic_backbone="full"), baseline="grpo_ref"),
     # Issue 21: PPO and VAPO at GRPO's memory, with the LoRA critic. PPO's default KL loads the reference model, whose
     # weights the critic shares; VAPO has no KL (no reference model), so its critic's frozen weights are a copy: both
     # against GRPO with a reference model

@@ -71,7 +71,7 @@ def build(row: str, model_dir: str, out_dir: str, opts, max_steps: int, callback
     if row == "grpo":
         cfg, cls = GRPOConfig(**common), GRPOTrainer
     elif row == "ppo":
-        cfg, cls = PPOConfig(**common, kl_in_reward_coef=0.0), PPOTrainer
+        cfg, cls = PPOConfig(**common, kl_in_reward_coef=0.0, critic_backbone="full"), PPOTrainer
     else:
         pretrain = max_steps - 1 if row == "vapo_pretrain" else 1
         cfg, cls = VAPOConfig(**common, value_pretrain_steps=pretrain, critic_learning_rate=opts.critic_lr), VAPOTrainer

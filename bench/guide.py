@@ -50,7 +50,8 @@ PROSE_NUMBERS = {
     "dapo_keep": ("(keep rate 0.28)", "0.28"),
     "ppo_lora_mem": ("| PPO, LoRA critic over the reference's weights | 3772 | 1.02x |", "1.02x"),
     "vapo_lora_mem": ("| VAPO, LoRA critic (frozen copy), 3 steps | 3798 | 1.02x |", "1.02x"),
-    "ppo_lora_gain": ("| +0.223 | 950% | 211% |", "211%"),
+    "ppo_lora_gain": ("| +0.119 | 555% | 127% |", "127%"),
+    "ppo_full_gain": ("| +0.021 | 100% | 23% |", "23%"),
     "vapo_lora_gain": ("| +0.035 | 23% | 33% |", "23%"),
 }
 
@@ -82,14 +83,16 @@ GUIDE = [
      "real model, 10 steps: {remax_10}; toy {toy_remax}"),
     ("ppo", "you want token-level credit assignment from a learned critic (long completions, step rewards)",
      "classic RLHF (InstructGPT)",
-     "a second full model (the critic) and its optimizer state; `critic_backbone=\"lora\"` trains an adapter and a "
-     "head instead ({ppo_lora_mem} the memory of GRPO with a reference model; on SmolLM2 {ppo_lora_gain} of GRPO's "
-     "held-out gain over two seeds)",
-     "real model, 10 steps: {ppo_10}; toy {toy_ppo}"),
+     "the default critic is a LoRA adapter and a head over frozen weights ({ppo_lora_mem} the memory of GRPO with a "
+     "reference model; on SmolLM2 {ppo_lora_gain} of GRPO's held-out gain over four seeds, the full critic "
+     "{ppo_full_gain}); `critic_backbone=\"full\"` trains a second full model with its optimizer state (the cost "
+     "shown)",
+     "real model, 10 steps: {ppo_10} (full critic); toy {toy_ppo} (full critic)"),
     ("vapo", "long chains of thought where GRPO's sequence-level advantage is too coarse",
      "long-CoT reasoning (AIME 2024, Qwen2.5-32B), value pre-training",
-     "the critic's cost, as PPO, plus value pre-training steps; `critic_backbone=\"lora\"`: {vapo_lora_mem} the "
-     "memory of GRPO with a reference model, but on 24-token completions {vapo_lora_gain} of the full critic's gain "
+     "a full critic's cost (VAPO's default, as PPO's `critic_backbone=\"full\"`) plus value pre-training steps; "
+     "`critic_backbone=\"lora\"`: {vapo_lora_mem} the memory of GRPO with a reference model, but on 24-token "
+     "completions {vapo_lora_gain} of the full critic's gain "
      "(the length-adaptive lambda makes the advantages one-step TD errors of the critic)",
      "real model, 10 steps: {vapo_10}; toy {toy_vapo}"),
     ("ttrl", "you have no labels and the model's majority answer is usually right",
@@ -145,6 +148,8 @@ def _cost(name: str, real: dict, toy: dict) -> str:
         toy_row = toy.get(name)
         return f"not benchmarked on SmolLM2; toy {toy_row['time_ratio']:.2f}x time" if toy_row else "not benchmarked"
     text = f"{row['time_ratio']:.2f}x time, {row['mem_ratio']:.2f}x memory"
+    if name == "ppo":  # the suite's PPO row is the full critic's (PPO's default is the LoRA critic)
+        text += " (full critic)"
     if name == "dapo":
         text += (f"; {row['rounds_per_step']:.2f} generation rounds per step, {row['gen_per_trained_token']:.2f} "
                  "generated tokens per trained token")
@@ -185,8 +190,9 @@ def render(readme: str, real_suite: dict, toy_suite: dict) -> str:
     costs = (
         "Costs in one line: the critic-free trainers (RLOO, ReMax, REINFORCE++ and -baseline, TTRL) cost about what"
         " GRPO costs" + (f" ({min(free):.2f}-{max(free):.2f}x its step time)" if free else "")
-        + "; PPO and VAPO hold a second full model, the critic, with its optimizer state"
+        + "; PPO's full critic and VAPO's hold a second full model, the critic, with its optimizer state"
         + (f" ({_cost('ppo', real, toy)}; {_cost('vapo', real, toy)})" if "ppo" in real and "vapo" in real else "")
+        + f"; PPO's default LoRA critic costs {values['ppo_lora_mem']} the memory of GRPO with a reference model"
         + f"; DAPO pays in generation: at a keep rate of {values['dapo_keep']} (the share of groups with a reward"
         " spread)" + (f" it needed {dapo['rounds_per_step']:.2f} rounds per step" if dapo else "")
         + ", fewer when the data suits the model."

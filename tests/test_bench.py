@@ -218,3 +218,22 @@ def test_memory_runs_return_freed_buffers_to_the_system(tmp_path):
         returned[mode] = int(out.stdout.split()[-1])
     assert returned["fixed"] >= 150, returned  # most of the 8 x 24 MiB given back
     assert returned["default"] <= 100, returned  # kept by the heap: this is what the fixed threshold removes
+
+
+def test_critic_learning_rows_pin_the_backbone_and_ratios_to_a_loss_are_not_shares():
+    """bench/critic_learning.py: each PPO/VAPO row names its critic (PPO's default changed to the LoRA critic in issue
+    28, and the stored "ppo" rows are the full critic's); a share of a mean gain at or below 0 is "n/a" (the full
+    critic's -0.005 over seeds 0-2 made the LoRA critic's +0.138 read "-2760%")."""
+    import critic_learning
+
+    for name, (algo, overrides) in critic_learning.VARIANTS.items():
+        if algo in ("ppo", "vapo"):
+            assert overrides.get("critic_backbone") in ("full", "lora"), name
+    row = {"before": 0.1, "after": 0.1, "explained_variance": [], "sec_per_step": 1.0}
+    results = {"runs": {f"{v}/{s}": {**row, "variant": v, "seed": s, "gain": g}
+                        for v, gains in {"ppo": [-0.03, 0.02], "ppo_lora": [0.2, 0.1], "grpo": [0.1, 0.1]}.items()
+                        for s, g in enumerate(gains)}}
+    table = critic_learning.summary(results).splitlines()
+    lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table}
+    assert lines["ppo_lora"][4] == "n/a" and lines["ppo_lora"][5] == "150%"
+    assert lines["ppo"][5] == "-5%"

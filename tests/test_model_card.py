@@ -238,7 +238,9 @@ def test_ppo_value_model_loads_on_its_own(tmp_path, toy_model_dir, toy_dataset):
 
     from trl_ppo_variants.trainers.ppo import PPOConfig, PPOTrainer
 
-    args = toy_args(PPOConfig, tmp_path, max_steps=1, kl_in_reward_coef=0.0)
+    # the full critic, saved in transformers' `...ForTokenClassification` layout (PPO's default LoRA critic loads with
+    # `critic.load_value_model`: tests/test_ppo.py)
+    args = toy_args(PPOConfig, tmp_path, max_steps=1, kl_in_reward_coef=0.0, critic_backbone="full")
     trainer = PPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
     trainer.train()
     trainer.save_model(args.output_dir)

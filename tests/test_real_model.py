@@ -52,7 +52,9 @@ SETTINGS = {
     "reinforce_pp": {"kl_in_reward_coef": 0.01},
     "reinforce_pp_baseline": {"baseline": True, "beta": 1e-3},
     "dapo": {"max_generation_rounds": 2},
-    "ppo": {"kl_in_reward_coef": 0.05},
+    # the full critic, whose fresh copy of the real backbone _check_fresh_critic checks (PPO's default is the LoRA
+    # critic since issue 28)
+    "ppo": {"kl_in_reward_coef": 0.05, "critic_backbone": "full"},
     "vapo": {"value_pretrain_steps": 1},
     "ttrl": {"n_votes": 4, "n_train": 2},
     "process_grpo": {"step_separator": " "},  # a word is a step: 12 tokens hold several

@@ -68,6 +68,9 @@ def test_defaults_follow_the_paper(tmp_path):
     assert (args.value_pretrain_steps, args.lam_critic, args.lam_policy) == (50, 1.0, 0.95)
     assert (args.length_adaptive_alpha, args.positive_lm_coef) == (0.05, 0.1)
     assert (args.learning_rate, args.critic_learning_rate, args.effective_critic_learning_rate) == (1e-6, None, 2e-6)
+    # the paper's full value model, not PPO's LoRA default (issue 28: VAPO's LoRA critic learned 23% of the full
+    # critic's gain on SmolLM2)
+    assert args.critic_backbone == "full"
     # the paper's ratio follows the policy's rate; a set critic rate is kept
     scaled = VAPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[], learning_rate=2e-5)
     assert scaled.effective_critic_learning_rate == 4e-5

@@ -62,6 +62,9 @@ ALGO_SETTINGS: dict[str, dict] = {
     "reinforce_pp": {"kl_in_reward_coef": 0.0},
     "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
     "dapo": {"max_generation_rounds": 2},
+    # PPO's default critic, the LoRA critic at 10x the policy's rate (3e-4 here): at these settings it gained +0.119 of
+    # held-out accuracy on average over seeds 0-3, against +0.021 for the full critic at the policy's rate and +0.094
+    # for trl.GRPOTrainer (bench/critic_learning.py, README "The critic of PPO and VAPO")
     "ppo": {"kl_in_reward_coef": 0.0},
     # value pre-training (critic-only steps) comes on top of the policy's steps: every algorithm gets the same number
     # of policy updates

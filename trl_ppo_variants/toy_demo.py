@@ -35,7 +35,8 @@ ALGO_SETTINGS: dict[str, dict] = {
     "reinforce_pp": {"kl_in_reward_coef": 0.0},
     "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
     "dapo": {"max_generation_rounds": 2},
-    "ppo": {"kl_in_reward_coef": 0.0, "critic_learning_rate": 3e-3},
+    # the full critic (PPO's default is the LoRA critic since issue 28): the README's toy numbers were measured with it
+    "ppo": {"kl_in_reward_coef": 0.0, "critic_backbone": "full", "critic_learning_rate": 3e-3},
     # the toy's 2-3 token answers would get VAPO's length-adaptive lambda 1 - 1 / (0.05 * l) < 0, clamped to 0: pure
     # one-step TD on a critic trained for 5 steps. A fixed lam_policy suits answers this short.
     "vapo": {"value_pretrain_steps": 5, "critic_learning_rate": 3e-3, "length_adaptive_alpha": None},
