@@ -442,16 +442,19 @@ def _learning_run(tmp_path, toy_model_dir, seed, mode, steps, stop_at=None):
 def test_screening_reaches_grpos_accuracy_with_fewer_generated_tokens(tmp_path, toy_model_dir):
     """Plain GRPO trains 40 steps on a data set where 60% of the prompts are already solved or unsolvable; GRPO +
     SPEED (N_init = 4 of G = 16) trains until it reaches plain GRPO's final accuracy. Tokens SPEED needed / plain
-    GRPO's (measured, first evaluation at or above it, every 5 steps): seeds 0-5: 0.61, 0.40, 0.63, 1.01, 1.08, 0.62
-    (mean 0.73); the test runs seeds 0-2 (mean 0.55) and asserts a mean <= 0.8 and no seed above 1. On the plain toy
-    data (pass rates all between 0.25 and 0.85: nearly every screening passes) SPEED does not pay: 1.01 and 1.21 of
-    GRPO's tokens (README, "Prompt selection")."""
+    GRPO's (measured, first evaluation at or above it, every 5 steps), seeds 0-7: 0.58, 1.08, 0.63, 0.99, 1.08, 0.65,
+    0.42, 0.22 (mean 0.70, median 0.64) on 2026-12-05's CPU (AVX-512 with AMX); on 2026-12-04's seeds 0-5 gave 0.61,
+    0.40, 0.63, 1.01, 1.08, 0.62: the trajectories follow the CPU's rounding, seed 1's most. Single seeds above 1 occur
+    on both, so the test asserts over the 8 seeds a mean and a median <= 0.8. On the plain toy data (pass rates all
+    between 0.25 and 0.85: nearly every screening passes) SPEED does not pay: 1.01 and 1.21 of GRPO's tokens (README,
+    "Prompt selection")."""
     ratios = []
-    for seed in (0, 1, 2):
+    for seed in range(8):
         plain_acc, plain_tokens, _ = _learning_run(tmp_path, toy_model_dir, seed, "none", 40)
         speed_acc, speed_tokens, curve = _learning_run(tmp_path, toy_model_dir, seed, "speed", 40, stop_at=plain_acc)
         reached = next((tokens for tokens, acc in curve if acc >= plain_acc), math.inf)
         ratios.append(reached / plain_tokens)
         print(f"seed {seed}: GRPO {plain_acc:.3f} after {plain_tokens} tokens; SPEED reached it after {reached} "
               f"({ratios[-1]:.2f}x): {curve}")
-    assert sum(ratios) / len(ratios) <= 0.8 and max(ratios) <= 1.0, ratios
+    median = sorted(ratios)[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]
+    assert sum(ratios) / len(ratios) <= 0.8 and sum(median) / 2 <= 0.8, ratios
