@@ -223,7 +223,10 @@ def main():
     with open(os.path.join(opts.out, "bench_trainers.md"), "w") as f:
         f.write(md)
     with open(os.path.join(opts.out, "bench_trainers.json"), "w") as f:
-        json.dump({"machine": machine_description(), "settings": vars(opts), "results": results, "memory": memory,
+        # the output folder relative to the repository: results name no folder of the machine that made them
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        settings = {**vars(opts), "out": os.path.relpath(os.path.abspath(opts.out), root)}
+        json.dump({"machine": machine_description(), "settings": settings, "results": results, "memory": memory,
                    "skipped": skipped}, f, indent=2)
 
 

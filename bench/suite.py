@@ -748,7 +748,8 @@ def main(argv=None):
     results = [by_name.get(a.name) or summarize([a], {}, memory, skipped, args)[0] for a in rows]
     machine["load_average_1min_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
     machine["suite_seconds"] = round(time.perf_counter() - t_all, 1)
-    settings = vars(args)
+    # the output folder relative to the repository: results name no folder of the machine that made them
+    settings = {**vars(args), "out": os.path.relpath(os.path.abspath(args.out), os.path.dirname(HERE))}
     payload = {
         "machine": machine,
         "settings": settings,

@@ -237,3 +237,15 @@ def test_critic_learning_rows_pin_the_backbone_and_ratios_to_a_loss_are_not_shar
     lines = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in table}
     assert lines["ppo_lora"][4] == "n/a" and lines["ppo_lora"][5] == "150%"
     assert lines["ppo"][5] == "-5%"
+
+
+def test_committed_results_name_no_folder_of_the_machine():
+    """Results name what was measured (models, versions, TRL's commit), never a folder of the machine that ran them
+    (suite.py and bench_trainers.py recorded their absolute output folder in `settings.out`)."""
+    from pathlib import Path
+
+    results = Path(BENCH) / "results"
+    absolute = re.compile(r"(?<![\w.~-])/(?:work|root|home|tmp|Users)/")
+    found = [f"{path.relative_to(results)}: {match.group(0)}" for path in sorted(results.rglob("*"))
+             if path.suffix in (".json", ".md") for match in [absolute.search(path.read_text())] if match]
+    assert not found, found
