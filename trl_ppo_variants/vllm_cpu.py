@@ -79,8 +79,7 @@ def _cpu_generation_class(base):
             initialize_layerwise_reload(model)
             super().sync_weights()
             finalize_layerwise_reload(model, self.llm.llm_engine.vllm_config.model_config)
-            repack_tied_head(model)
-            self.llm.reset_prefix_cache()  # nothing may have been cached from the half-loaded engine
+            repack_tied_head(model)  # (TRL's sync reset the prefix cache; nothing generated since)
 
     CPUColocateVLLMGeneration.__name__ = CPUColocateVLLMGeneration.__qualname__ = "CPUColocateVLLMGeneration"
     return CPUColocateVLLMGeneration

@@ -68,6 +68,11 @@ def check(condition: bool, field_name: str, expected: str, value) -> None:
         raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
+def _is_count(value) -> bool:
+    """An integer >= 1 (a bool is an int to Python, not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 #: loss types whose per-token loss is PPO's clipped surrogate with token-level ratios: dual-clip can correct them
 DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 #: loss types normalised by a token count (`num_items_in_batch`), DAPO's token-level loss and its relatives
@@ -276,11 +281,9 @@ class VariantConfig(GRPOConfig):
         self._check_dual_clip()
         check(self.token_level_normalizer in TOKEN_LEVEL_NORMALIZERS, "token_level_normalizer",
               f"one of {TOKEN_LEVEL_NORMALIZERS}", self.token_level_normalizer)
-        check(self.max_unscorable_batches is None or isinstance(self.max_unscorable_batches, int)
-              and not isinstance(self.max_unscorable_batches, bool) and self.max_unscorable_batches >= 1,
-              "max_unscorable_batches", "an integer >= 1 or None", self.max_unscorable_batches)
-        check(isinstance(self.min_unscorable_prompts, int) and not isinstance(self.min_unscorable_prompts, bool)
-              and self.min_unscorable_prompts >= 1, "min_unscorable_prompts", "an integer >= 1",
+        check(self.max_unscorable_batches is None or _is_count(self.max_unscorable_batches), "max_unscorable_batches",
+              "an integer >= 1 or None", self.max_unscorable_batches)
+        check(_is_count(self.min_unscorable_prompts), "min_unscorable_prompts", "an integer >= 1",
               self.min_unscorable_prompts)
         check(self.prompt_selection in SELECTION_MODES, "prompt_selection", f"one of {SELECTION_MODES}",
               self.prompt_selection)
