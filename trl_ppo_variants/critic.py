@@ -64,6 +64,9 @@ __all__ = [
     "get_critic",
     "critic_parameters",
     "critic_values",
+    "IMAGE_INPUT_KEYS",
+    "image_inputs",
+    "image_rows",
     "is_critic_key",
     "holds_critic_weights",
     "split_critic_state_dict",
@@ -244,10 +247,13 @@ class _Critic(nn.Module):
     def backbone(self) -> nn.Module:
         raise NotImplementedError
 
-    def _values(self, input_ids, attention_mask):
+    def _values(self, input_ids, attention_mask, **image_kwargs):
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        # a VLM's base model (`Qwen2VLModel`, `Gemma3Model`, ...) takes the image inputs and returns the language
+        # model's hidden states, of `text_config.hidden_size` (the head's width, `_hidden_size`)
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                               **image_kwargs).last_hidden_state
         return TokenClassifierOutput(logits=self.score(hidden.to(self.score.weight.dtype)))
 
     def _write_config(self, directory: str, extra: dict | None = None) -> None:
@@ -278,8 +284,8 @@ class ValueModel(_Critic):
     def backbone(self) -> nn.Module:
         return getattr(self, self.base_model_prefix)
 
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):
-        return self._values(input_ids, attention_mask)
+    def forward(self, input_ids=None, attention_mask=None, **image_kwargs):
+        return self._values(input_ids, attention_mask, **image_kwargs)
 
     def save_pretrained(self, directory: str, state_dict: dict | None = None, is_main_process: bool = True, **_):
         if not is_main_process:
@@ -463,9 +469,9 @@ class LoraValueModel(_Critic):
         if self.base_source == "policy_adapter":
             self._peft.restore_flags()
 
-    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+    def forward(self, input_ids=None, attention_mask=None, **image_kwargs):
         with self.activated():
-            return self._values(input_ids, attention_mask)
+            return self._values(input_ids, attention_mask, **image_kwargs)
 
     @contextlib.contextmanager
     def activated(self):
@@ -766,12 +772,69 @@ def critic_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if is_critic_key(n) and p.requires_grad]
 
 
+#: inputs of a VLM's forward that TRL's batch carries besides the ids and the mask (the keyword arguments of
+#: `GRPOTrainer._get_per_token_logps_and_entropies` that reach the model)
+IMAGE_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                    "token_type_ids", "mm_token_type_ids", "image_position_ids")
+#: per-row counts saying how the image tensors split into rows: bookkeeping, not model inputs
+IMAGE_COUNT_KEYS = ("num_images", "num_tiles")
+#: image inputs indexed by image (or tile), not by row: dropped for a set of rows without any image
+PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+                   "image_position_ids")
+
+
+def image_inputs(batch: dict) -> dict:
+    """The image inputs and their per-row counts present in a TRL batch (`{}` for a text model)."""
+    return {k: batch[k] for k in IMAGE_INPUT_KEYS + IMAGE_COUNT_KEYS if batch.get(k) is not None}
+
+
+def image_rows(fields: dict, rows, num_rows: int) -> dict:
+    """The image inputs of the rows `rows` (indices into a batch of `num_rows` rows, any order, repeats allowed).
+
+    Tensors indexed by image or tile (`pixel_values`, `image_grid_thw`, ...) are split per row with TRL's
+    `split_pixel_values_by_grid` (by `num_images` / `num_tiles`) and the chosen rows' pieces concatenated; per-row
+    fields (`token_type_ids`, a per-sample `pixel_attention_mask`, lists of token lists) are indexed. The counts
+    (`num_images`, `num_tiles`) follow the rows. A field that is neither raises a one-line error naming it.
+
+    Args:
+        fields: from `image_inputs` (a TRL batch) or the processor's `multimodal_fields` plus `num_images`.
+        rows: list of row indices.
+        num_rows: B, the batch's row count.
+    Returns:
+        the same keys for `len(rows)` rows (the per-image ones dropped when the chosen rows hold no image).
+    """
+    from trl.trainer.utils import split_pixel_values_by_grid
+
+    rows = list(rows)
+    split = split_pixel_values_by_grid(fields) if "num_images" in fields else dict(fields)
+    images_per_row = fields.get("num_images")
+    if isinstance(split.get("image_sizes"), torch.Tensor) and images_per_row is not None \
+            and split["image_sizes"].shape[0] != num_rows:  # one size per image, not split by TRL (Qwen layout)
+        split["image_sizes"] = list(torch.split(split["image_sizes"], list(images_per_row)))
+    out = {}
+    for key, value in split.items():
+        if isinstance(value, list) and len(value) == num_rows:
+            picked = [value[i] for i in rows]
+            per_row_tensors = isinstance(fields[key], torch.Tensor)  # split above: concatenate the rows' pieces
+            out[key] = torch.cat(picked) if per_row_tensors and picked else picked
+        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_rows:
+            out[key] = value[torch.tensor(rows, dtype=torch.long, device=value.device)]
+        else:
+            raise ValueError(f"{key}: expected one entry per row ({num_rows}) or per image with `num_images`, got "
+                             f"{type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
+    if images_per_row is not None and sum(out["num_images"]) == 0:
+        for key in PER_IMAGE_KEYS:
+            out.pop(key, None)
+    return out
+
+
 def critic_values(
     critic: nn.Module,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     logits_to_keep: int,
     batch_size: int | None = None,
+    image_fields: dict | None = None,
 ) -> torch.Tensor:
     """Per-token values V(s_t) of the last `logits_to_keep` (completion) tokens.
 
@@ -783,14 +846,21 @@ def critic_values(
         attention_mask: (B, P + T)
         logits_to_keep: T
         batch_size: rows per forward pass (chunks bound the activation memory at rollout time).
+        image_fields: a VLM's image inputs of the B rows (`image_inputs(batch)`): each chunk gets its rows' images
+            (`image_rows`), so that the critic sees what the policy sees.
     Returns:
         (B, T) float32 values (padding positions hold whatever the head outputs: mask them).
     """
-    batch_size = batch_size or input_ids.shape[0]
+    num_rows = input_ids.shape[0]
+    batch_size = batch_size or num_rows
+    image_fields = image_fields or {}
     chunks = []
-    for start in range(0, input_ids.shape[0], batch_size):
-        out = critic(input_ids=input_ids[start : start + batch_size],
-                     attention_mask=attention_mask[start : start + batch_size])
+    for start in range(0, num_rows, batch_size):
+        end = min(start + batch_size, num_rows)
+        chunk_images = image_fields if (start, end) == (0, num_rows) else \
+            image_rows(image_fields, range(start, end), num_rows)
+        chunk_images = {k: v for k, v in chunk_images.items() if k not in IMAGE_COUNT_KEYS}
+        out = critic(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], **chunk_images)
         chunks.append(out.logits[:, -logits_to_keep - 1 : -1, 0].float())
     return torch.cat(chunks, dim=0)
 

@@ -63,6 +63,7 @@ from ..critic import (
     critic_parameters,
     critic_values,
     detached_critic,
+    image_inputs,
     explained_variance,
     get_critic,
     holds_critic_weights,
@@ -263,8 +264,6 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         super().__init__(model, reward_funcs, args=args, **kwargs)
         if self.is_fsdp_enabled:
             raise NotImplementedError(f"{type(self).__name__} supports DDP and DeepSpeed ZeRO-1/2/3, not FSDP")
-        if self._is_vlm:
-            raise NotImplementedError(f"{type(self).__name__} does not support vision-language models yet")
         self._setup_critic()
         for callback in list(self.callback_handler.callbacks):
             if type(callback) is SyncRefModelCallback:  # TRL's pairs every parameter of the model with the reference's
@@ -428,7 +427,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 self.accelerator.autocast():
             values = critic_values(self.critic, input_ids, attention_mask, output["completion_ids"].shape[1],
-                                   batch_size=batch_size)
+                                   batch_size=batch_size, image_fields=image_inputs(output))
         return torch.where(output["completion_mask"].bool(), values, torch.zeros_like(values))
 
     def gae_lambdas(self, valid: torch.Tensor):
@@ -523,7 +522,8 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         with self.accelerator.autocast():
             # called as a submodule, not through the engine's forward (which would run the policy)
-            values = critic_values(get_critic(model), input_ids, attention_mask, completion_ids.shape[1])
+            values = critic_values(get_critic(model), input_ids, attention_mask, completion_ids.shape[1],
+                                   image_fields=image_inputs(inputs))
         value_mask = inputs["value_mask"]
         per_token_vf, vf_clipped = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], self.args.cliprange_value

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import transformers
 from packaging.version import Version
@@ -13,6 +14,7 @@ from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 
 from ..advantages import remax_advantages
+from ..critic import PER_IMAGE_KEYS, image_rows
 from .base import VariantConfig, VariantTrainer, check
 
 
@@ -82,6 +84,32 @@ def owned_group_rows(rank: int, num_local: int, group_size: int) -> list[int]:
     return list(range(first - start, num_local, group_size))
 
 
+def greedy_row_images(multimodal_fields: dict, images, rows: list[int], num_rows: int) -> dict:
+    """The processor's image inputs (`multimodal_fields` of TRL's `_tokenize_prompts`) of the rows `rows`: the
+    sampled rows followed by the greedy rows, each greedy row with its own prompt's images (without them, a VLM's
+    image tokens have no features: Qwen2-VL's M-RoPE fails in `get_rope_index`, Gemma3 finds "image features and
+    image tokens do not match").
+
+    Args:
+        multimodal_fields: the B prompt rows' fields (`{}` for text prompts).
+        images: B image lists (None for a prompt without images), or None.
+        rows: indices into the B rows.
+    Returns:
+        the fields in the layout TRL's `generate` path takes (image tensors concatenated, per-token lists).
+    """
+    if not multimodal_fields:
+        return {}
+    fields = {k: v if isinstance(v, torch.Tensor) or k not in PER_IMAGE_KEYS else torch.as_tensor(np.array(v))
+              for k, v in multimodal_fields.items()}
+    counted = "num_images" not in fields and images is not None
+    if counted:  # the per-row image counts that split the image tensors by row
+        fields["num_images"] = [len(row) if row else 0 for row in images]
+    selected = image_rows(fields, rows, num_rows)
+    if counted:
+        selected.pop("num_images")
+    return selected
+
+
 class ReMaxTrainer(VariantTrainer):
     """ReMax (arXiv 2310.10505, Algorithm 1) on top of TRL's `GRPOTrainer`.
 
@@ -96,9 +124,11 @@ class ReMaxTrainer(VariantTrainer):
       turns (`_generate_single_turn` called again by TRL's tool loop) get no greedy rows.
     - vLLM (server or colocate): a second request with `temperature=0` for the greedy rows (vLLM takes one
       sampling-params set per request).
-    - `use_transformers_continuous_batching`, `rollout_func`, `environment_factory` and multimodal models are
-      refused at construction (the first three bypass or re-route `_generate_single_turn`; the last would need the
-      image fields of every greedy row).
+    - Vision-language models: each greedy row carries its prompt's images (`greedy_row_images`): its image inputs
+      (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...) are appended to the sampled rows' for `generate`,
+      and its image list goes with it in vLLM's greedy request.
+    - `use_transformers_continuous_batching`, `rollout_func` and `environment_factory` are refused at construction
+      (they bypass or re-route `_generate_single_turn`).
     - With `tools`, the greedy completion is the first turn only: its tool calls are not executed. The baseline is
       still unbiased but weaker; a warning says so.
 
@@ -126,8 +156,6 @@ class ReMaxTrainer(VariantTrainer):
         self._greedy = None
         self._greedy_rewards = None
         super().__init__(model, reward_funcs, args=args, **kwargs)
-        check(not self._is_vlm, "processing_class", "a text tokenizer (ReMax does not support multimodal models)",
-              type(self.processing_class).__name__)
         if self.tools:
             transformers.logging.get_logger(__name__).warning(
                 "ReMaxTrainer with tools: the greedy baseline is the first turn only (its tool calls are not run)."
@@ -159,14 +187,23 @@ class ReMaxTrainer(VariantTrainer):
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
             )
-            greedy_ids = self._vllm_greedy(greedy_prompts, padded, prompt_ids[0])
+            # vLLM pairs each prompt with its image list: the filler rows (padding to the same count on every rank)
+            # repeat the first prompt, and its images
+            filler = [0] * (padded - len(rows))
+            greedy_images = None if images is None else [images[i] for i in rows + filler]
+            greedy_ids = self._vllm_greedy(greedy_prompts, padded, prompt_ids[0], greedy_images)
         else:
             # the base class's one `generate` wrapper appends `_ArgmaxOnLastRows` (and raises if TRL stopped
             # calling `generate`, which would train with a sampled "baseline")
+            all_rows = list(range(num_local)) + rows
             self._greedy_rows_pending = len(greedy_prompts)
             try:
                 completion_ids, logprobs = super()._generate_single_turn(
-                    list(prompt_ids) + greedy_prompts, images, multimodal_fields, num_generations, has_tool_images
+                    list(prompt_ids) + greedy_prompts,
+                    None if images is None else [images[i] for i in all_rows],
+                    greedy_row_images(multimodal_fields, images, all_rows, num_local),
+                    num_generations,
+                    has_tool_images,
                 )
             finally:
                 self._greedy_rows_pending = 0
@@ -183,16 +220,16 @@ class ReMaxTrainer(VariantTrainer):
             processors.append(_ArgmaxOnLastRows(self._greedy_rows_pending))
         return processors
 
-    def _vllm_greedy(self, greedy_prompts, padded, filler):
+    def _vllm_greedy(self, greedy_prompts, padded, filler, images=None):
         """One temperature-0 request for the greedy rows, padded to the same count on every rank (TRL slices the
-        server's answer by equal per-rank counts)."""
+        server's answer by equal per-rank counts). `images`: the `padded` rows' image lists, or None."""
         prompts = list(greedy_prompts) + [filler] * (padded - len(greedy_prompts))
         generation = self.vllm_generation
         temperature = generation.temperature
         generation.temperature = 0.0  # vLLM's greedy decoding
         try:
             _, completion_ids, _, _ = generation.generate(
-                prompts=prompts, images=None, num_generations=1, profiler=profiling_context(self, "vLLM.greedy")
+                prompts=prompts, images=images, num_generations=1, profiler=profiling_context(self, "vLLM.greedy")
             )
         finally:
             generation.temperature = temperature
