@@ -4,9 +4,12 @@ Every `trl-internal-testing/tiny-*` model the test file names is rebuilt here fr
 model of the same architecture (hidden size 8-16, 2 layers, bf16 weights, as TRL's own tiny models), with a byte-level
 tokenizer (256 byte tokens plus the special tokens of the model's chat template) carrying the chat template TRL ships
 for that family (`trl/chat_templates/*.jinja` of the installed TRL), so that TRL's template-dependent code (tool-call
-parsing, training templates) recognises it. Not rebuilt: the vision-language models (each needs its processor and
-image tokens) and the real models of the slow tests; the plugin reports the tests that load them as skipped. The
-stand-in tokenizer's ids are not the real ones: tests that hard-code real token ids fail for every trainer alike.
+parsing, training templates) recognises it. The vision-language models (`VLM_MODELS`) are built by
+`trl_ppo_variants.toy_vlm`: the real architecture and processor class (image-only for Qwen, whose processor needs
+torchvision for its video half: the plugin imports `toy_vlm`, which registers it with `AutoProcessor`). Not rebuilt:
+`VLM_NOT_BUILT` (each with its reason) and the real models of the slow tests; the plugin reports the tests that load
+them as skipped. The stand-in tokenizer's ids are not the real ones: tests that hard-code real token ids fail for
+every trainer alike.
 
 The models are written in the Hugging Face cache layout (`<assets>/hub/models--org--name/snapshots/<rev>/`), so that
 with `HF_HUB_CACHE=<assets>/hub HF_HUB_OFFLINE=1` every `from_pretrained("trl-internal-testing/...")` of TRL and of the
@@ -28,7 +31,7 @@ import sys
 from pathlib import Path
 
 #: bump when what is built changes: an assets folder of another version is rebuilt
-ASSETS_VERSION = "1"
+ASSETS_VERSION = "2"  # 2: the vision-language models
 
 ORG = "trl-internal-testing"
 
@@ -68,24 +71,16 @@ def build_tokenizer(family: str, extra_special: tuple[str, ...] = (), template: 
     `<|...|>` tokens of the template, bos/eos/pad and `extra_special` are special tokens; the template's other `<tag>`
     tokens (`<think>`, `<tool_call>`, ...) are ordinary added tokens, as in the real tokenizers.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from trl_ppo_variants.toy_vlm import byte_level_tokenizer
 
     spec = FAMILIES[family]
     text = _template_text(template or spec["template"])
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    roles = {key: spec[key] for key in ("bos", "eos", "pad") if key in spec}
-    special = list(dict.fromkeys([*roles.values(), *re.findall(r"<\|[^|<>\s]+\|>", text), *spec.get("extra", ()),
+    roles = [spec[key] for key in ("bos", "eos", "pad") if key in spec]
+    special = list(dict.fromkeys([*roles, *re.findall(r"<\|[^|<>\s]+\|>", text), *spec.get("extra", ()),
                                   *extra_special]))
     plain = sorted(set(re.findall(r"</?[A-Za-z_][A-Za-z0-9_]*>", text)) - set(special))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **{f"{k}_token": v for k, v in roles.items()})
-    fast.add_special_tokens({"additional_special_tokens": [t for t in special if t not in roles.values()]})
-    fast.add_tokens(plain)
-    fast.chat_template = text
-    return fast
+    return byte_level_tokenizer(text, bos=spec.get("bos"), eos=spec["eos"], pad=spec["pad"], special=special,
+                                plain=plain)
 
 
 def init_tiny_weights(model, seed: int) -> None:
@@ -228,6 +223,28 @@ def build_remote_model(hub: Path, trl_root: Path, seed: int) -> None:
         shutil.copy(code / file, path / file)
 
 
+# -------------------------------------------------------------------------------------------------------- VLMs
+#: TRL's vision-language test models rebuilt by `trl_ppo_variants.toy_vlm` (repo name -> family there): the real
+#: architecture and processor, hidden size 32, 2 text and 2 vision layers, images resized to 32x32 (4 image tokens)
+VLM_MODELS = {
+    "tiny-Gemma3ForConditionalGeneration": "gemma3",
+    "tiny-Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "tiny-Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+}
+#: the vision-language models TRL's tests load that are not rebuilt, and why (their tests are reported as skipped)
+VLM_NOT_BUILT = {}
+
+
+def build_vlm(hub: Path, name: str, family: str, seed: int) -> None:
+    """A tiny `family` model and its processor, bf16 weights as TRL's tiny models, in `name`'s snapshot folder."""
+    from trl_ppo_variants.toy_vlm import build_tiny_vlm
+
+    model, processor = build_tiny_vlm(family, seed=seed, dtype="bfloat16")
+    path = snapshot_dir(hub, f"{ORG}/{name}")
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+
+
 # -------------------------------------------------------------------------------------------------------- data sets
 def build_datasets(out: Path, trl_root: Path) -> list[str]:
     """Run TRL's `scripts/generate_zen*_dataset.py` with `push_to_hub` writing `out/<repo>/<config>/` instead."""
@@ -277,6 +294,10 @@ def build_assets(assets: Path, trl_root: Path, only: list[str] | None = None, lo
         build_causal_lm(hub, name, specs[name], seed=i)
     if only is None or "tiny-RemoteForCausalLM" in only:
         build_remote_model(hub, trl_root, seed=len(specs))
+    for i, (name, family) in enumerate(VLM_MODELS.items()):
+        if only is None or name in only:
+            log(f"trl_suite: building {ORG}/{name}")
+            build_vlm(hub, name, family, seed=len(specs) + 1 + i)
     if only is None:
         log("trl_suite: generating the zen data sets with TRL's scripts")
         build_datasets(assets / "datasets", trl_root)

@@ -100,6 +100,8 @@ def _run_length(config_cls):
 
 def pytest_configure(config):
     _stub_missing_import_utils()
+    # registers the image-only Qwen-VL processors of the offline VLM stand-ins with AutoProcessor
+    importlib.import_module("trl_ppo_variants.toy_vlm")
     if os.environ.get("TRL_SUITE_ASSETS"):
         _offline_load_dataset()
 
