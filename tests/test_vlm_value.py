@@ -9,7 +9,6 @@ from conftest import toy_args
 from trl_ppo_variants.critic import critic_values, image_inputs, image_rows
 from trl_ppo_variants.toy_vlm import (
     VLM_FAMILIES,
-    color_images,
     color_reward,
     load_tiny_vlm_processor,
     make_tiny_vlm,
@@ -221,3 +220,32 @@ def test_trains_two_steps_on_each_vlm(vlm_dirs, family, name, tmp_path):
     if overrides.get("critic_backbone") == "full" or config_cls is VAPOConfig:  # VAPO's default is the full critic
         critic_vision = [n for n in critic if n in vision]
         assert critic_vision and all(not torch.equal(before[n], params[n]) for n in critic_vision)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+@pytest.mark.parametrize("backbone", ["full", "lora"])
+def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
+    """A VLM critic saved in a checkpoint's `value_model/` is read back by a fresh trainer (what resume does) with the
+    same weights and the same values on image rows, and loads on its own (`load_value_model`)."""
+    from trl_ppo_variants.critic import VALUE_MODEL_DIR, load_value_model
+
+    def make(out):
+        return _trainer(PPOTrainer, PPOConfig, vlm_dirs[family], tmp_path, critic_backbone=backbone,
+                        output_dir=str(tmp_path / out), save_strategy="steps", save_steps=2)
+
+    trained = make("a")
+    trained.train()
+    fresh = make("b")
+    ids, mask, fields, width = _same_text_two_images(trained.processing_class)
+    with torch.no_grad():
+        before = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
+        fresh._load_checkpoint_critic(str(tmp_path / "a" / "checkpoint-2"))
+        expected = critic_values(trained.critic, ids, mask, width, image_fields=fields)
+        loaded = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
+    assert not torch.equal(before, expected)  # training changed the critic
+    assert torch.equal(loaded, expected)
+    saved, read = trained.critic.state_dict(), fresh.critic.state_dict()
+    assert all(torch.equal(saved[k], read[k]) for k in saved)
+    alone = load_value_model(str(tmp_path / "a" / "checkpoint-2" / VALUE_MODEL_DIR))
+    with torch.no_grad():
+        torch.testing.assert_close(critic_values(alone, ids, mask, width, image_fields=fields), expected)

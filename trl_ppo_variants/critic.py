@@ -752,6 +752,20 @@ def load_value_model(path: str, base_model: str | None = None, **kwargs) -> nn.M
                                 target_modules=saved["target_modules"])
         critic.load_saved(path)
         return critic.eval()
+    if saved.get("critic_backbone") == "full":
+        # our own layout (`ValueModel.save_pretrained`): built from the config and loaded strictly by key, not through
+        # `from_pretrained`, whose checkpoint-conversion rules for a VLM's base model (Qwen2-VL's
+        # `^model` -> `model.language_model`) would misplace the vision tower's weights
+        from transformers import AutoModel
+        from transformers.initialization import no_init_weights
+
+        dtype = kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # as saved, like `from_pretrained`
+        with no_init_weights():
+            base = AutoModel.from_config(config, dtype=dtype, trust_remote_code=kwargs.get("trust_remote_code", False))
+        critic = ValueModel(config, base, prefix)
+        critic.load_saved(path)
+        return critic.eval()
     base = _load_backbone(path, **kwargs)
     critic = ValueModel(base.config, base, prefix)
     _set_head(critic.score, checkpoint_head(path, _hidden_size(base.config)))
