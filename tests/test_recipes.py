@@ -20,6 +20,7 @@ ACCELERATE = RECIPES / "accelerate"
 RECIPE_ALGOS = ["remax", "rloo", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
                 "process_grpo"]
 OFFLINE = RECIPES / "smollm2_offline.yaml"  # any algorithm, the real model on CPU, no Hub
+VLM = RECIPES / "vlm_ppo.yaml"  # PPO on a vision-language model (issue 27)
 CPU = ["--use_cpu", "true", "--bf16", "false"]
 
 
@@ -33,7 +34,7 @@ def _recipe(algo) -> dict:
 
 
 def test_one_recipe_per_algorithm_and_nothing_else():
-    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_ALGOS + [OFFLINE.stem])
+    assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(RECIPE_ALGOS + [OFFLINE.stem, VLM.stem])
     assert sorted(cli.ALGORITHMS) == sorted(RECIPE_ALGOS)
 
 
@@ -277,6 +278,40 @@ def test_recipe_runs_two_steps_on_cpu(tmp_path, toy_model_dir, toy_dataset, algo
     if algo in ("ppo", "vapo"):  # save_value_model: true in the recipe -> the critic is exported next to the policy
         assert (out / "value_model").is_dir()
         assert "value_model/" in card
+
+
+# ------------------------------------------------------------------------------------------------ the VLM recipe
+def test_vlm_recipe_states_command_hardware_and_parses(tmp_path):
+    header = VLM.read_text().split("\n\n")[0]
+    assert "trl-ppo-variants ppo --config recipes/vlm_ppo.yaml" in header
+    assert "-m trl_ppo_variants ppo --config recipes/vlm_ppo.yaml" in header
+    assert "Hardware:" in header and "arXiv" in header
+    script, train, model, _ = cli.parse_args("ppo", ["--config", str(VLM), "--output_dir", str(tmp_path), *CPU])
+    assert "VL" in model.model_name_or_path and train.critic_backbone == "lora"
+    assert isinstance(train.max_completion_length, int) and script.reward_funcs
+    assert "`vlm_ppo.yaml`" in (RECIPES / "README.md").read_text()
+
+
+@pytest.mark.timeout(300)
+def test_vlm_recipe_runs_two_steps_on_cpu(tmp_path, capsys):
+    """The CLI takes a VLM and an image dataset (a `save_to_disk` folder with an `image` column): the recipe, its model,
+    data and reward swapped for the tiny Qwen2.5-VL and the colour task, trains 2 steps and exports the critic."""
+    from trl_ppo_variants.toy_vlm import make_tiny_vlm, toy_vlm_dataset
+
+    model_dir = make_tiny_vlm(str(tmp_path / "model"), "qwen2_5_vl")
+    toy_vlm_dataset(16).save_to_disk(str(tmp_path / "data"))
+    out = tmp_path / "out"
+    code = cli.main(["ppo", "--config", str(VLM), "--model_name_or_path", model_dir,
+                     "--dataset_name", str(tmp_path / "data"), "--prompt_column", "prompt", "--system_prompt", "",
+                     "--reward_funcs", "trl_ppo_variants.toy_vlm:color_reward", "--dtype", "float32",
+                     "--output_dir", str(out), "--max_steps", "2", "--max_completion_length", "4",
+                     "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                     "--gradient_checkpointing", "false", "--save_strategy", "no", "--logging_steps", "1",
+                     "--report_to", "none", "--disable_tqdm", "true", *CPU])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-3000:]
+    assert "trained ppo for 2 steps" in captured.out
+    assert (out / "model.safetensors").exists() and (out / "value_model").is_dir()
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
