@@ -63,12 +63,28 @@ def _same_text_two_images(processor, colors=("red", "blue")):
 
 
 # ------------------------------------------------------------------------------------------------ the critic
+#: critic -> (config overrides, whether the policy is PEFT, the expected `critic_base`)
+CRITICS = {
+    "full": ({"critic_backbone": "full"}, False, "own"),
+    "lora_copy": ({}, False, "copy"),
+    "lora_reference": ({"beta": 0.01}, False, "reference"),  # TRL's KL loss term loads the reference model
+    "lora_policy_adapter": ({}, True, "policy_adapter"),
+}
+
+
 @pytest.mark.parametrize("family", VLM_FAMILIES)
-@pytest.mark.parametrize("backbone", ["full", "lora"])
-def test_critic_values_depend_on_the_image(vlm_dirs, family, backbone, tmp_path):
-    """The same text with a red and a blue image: different values (the critic's backbone gets the image inputs).
-    Text only, as the critic was called before, the two rows are the same state: identical values."""
-    trainer = _trainer(PPOTrainer, PPOConfig, vlm_dirs[family], tmp_path, critic_backbone=backbone)
+@pytest.mark.parametrize("kind", list(CRITICS))
+def test_critic_values_depend_on_the_image(vlm_dirs, family, kind, tmp_path):
+    """The same text with a red and a blue image: different values (the critic's backbone gets the image inputs),
+    for the full critic and the LoRA critic over each frozen base. Text only, as the critic was called before, the
+    two rows are the same state: identical values. The head reads the language model's hidden states."""
+    from peft import LoraConfig
+
+    overrides, peft, base = CRITICS[kind]
+    trainer = _trainer(PPOTrainer, PPOConfig, vlm_dirs[family], tmp_path,
+                       peft_config=LoraConfig(r=4, target_modules="all-linear") if peft else None, **overrides)
+    assert trainer.critic_base == base
+    assert trainer.critic.score.in_features == trainer.model.config.get_text_config().hidden_size
     ids, mask, fields, width = _same_text_two_images(trainer.processing_class)
     critic = trainer.critic
     with torch.no_grad():
@@ -249,3 +265,15 @@ def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
     alone = load_value_model(str(tmp_path / "a" / "checkpoint-2" / VALUE_MODEL_DIR))
     with torch.no_grad():
         torch.testing.assert_close(critic_values(alone, ids, mask, width, image_fields=fields), expected)
+
+
+def test_a_backbone_without_image_inputs_is_refused(toy_model_dir):
+    """A critic whose backbone cannot take the images (a text model's) says so instead of valuing the text alone."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ppo_variants.critic import build_critic
+
+    critic = build_critic(AutoModelForCausalLM.from_pretrained(toy_model_dir), critic_backbone="full")
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(NotImplementedError, match=r"critic: .*Model.forward takes no pixel_values"):
+        critic_values(critic, ids, torch.ones_like(ids), 1, image_fields={"pixel_values": torch.zeros(1, 3)})

@@ -16,6 +16,12 @@ needed). Two backbones (`critic_backbone`):
   - `"copy"`: a frozen copy of the base weights otherwise (no reference model, `sync_ref_model=True` whose reference
     moves, `value_model_path`, DeepSpeed ZeRO-3, which partitions the reference model in its own engine).
 
+Vision-language models: the backbone is the VLM's base model (`Qwen2VLModel`, `Gemma3Model`, ...: vision tower,
+projector and language model), the head reads the language model's hidden states (`text_config.hidden_size`), and
+`critic_values` passes the batch's image inputs (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...; each chunk
+its own rows', `image_rows`) so that the critic sees what the policy sees: a full critic trains its own vision tower,
+a LoRA critic adapts the frozen one (its adapter covers the vision tower's linear layers too).
+
 The critic is attached to the policy as a submodule (`policy.critic`; PEFT: of its base model), so the trainer prepares
 ONE model: DDP and DeepSpeed ZeRO-2/3 see every trained parameter in one engine and one optimizer (a second, separately
 prepared model is rejected by DeepSpeed), and the critic is called directly as a submodule, never through the engine's
@@ -252,6 +258,8 @@ class _Critic(nn.Module):
 
         # a VLM's base model (`Qwen2VLModel`, `Gemma3Model`, ...) takes the image inputs and returns the language
         # model's hidden states, of `text_config.hidden_size` (the head's width, `_hidden_size`)
+        if "pixel_values" in image_kwargs:
+            _check_takes_images(self.backbone)
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                **image_kwargs).last_hidden_state
         return TokenClassifierOutput(logits=self.score(hidden.to(self.score.weight.dtype)))
@@ -268,6 +276,17 @@ class _Critic(nn.Module):
         setattr(config, CONFIG_KEY, {"critic_backbone": self.kind, "base_model_prefix": self.base_model_prefix,
                                      **(extra or {})})
         config.save_pretrained(directory)
+
+
+def _check_takes_images(backbone: nn.Module) -> None:
+    """A backbone whose forward does not name `pixel_values` would swallow the images in its `**kwargs` and value the
+    text alone: refused in one line."""
+    import inspect
+
+    if "pixel_values" not in inspect.signature(backbone.forward).parameters:
+        raise NotImplementedError(f"critic: the batch holds images but the critic's backbone "
+                                  f"{type(backbone).__name__}.forward takes no pixel_values (expected a "
+                                  "vision-language base model such as Qwen2VLModel)")
 
 
 class ValueModel(_Critic):

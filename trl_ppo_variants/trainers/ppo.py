@@ -8,6 +8,8 @@ On top of `GRPOTrainer`'s generation, rewards, vLLM and PEFT:
   default) trains a LoRA adapter over frozen weights shared with the PEFT policy's base model or the reference model
   where there is one (else a frozen copy): the critic then costs an adapter and a head; `"full"` (VAPO's default)
   trains a copy of the backbone;
+- vision-language models: the critic gets the batch's image inputs at rollout and in the loss, as the policy's
+  forward does (see `critic.py`);
 - rollout: the critic's values of the sampling-time state (no grad) travel in the batch ("old_values"); token rewards
   are the outcome at the last valid token minus `kl_in_reward_coef * k1` at every token (base's `reference_kl`);
   GAE (`advantages.gae`) gives advantages and returns; advantages are whitened over the valid tokens of the whole
