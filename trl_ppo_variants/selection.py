@@ -520,6 +520,12 @@ def multimodal_layout(batch: dict, num_rows: int) -> dict[str, str]:
     return layout
 
 
+def image_inputs(output: dict) -> dict:
+    """The image inputs of a rollout (TRL's layout), as keyword arguments of TRL's
+    `_get_per_token_logps_and_entropies`, which slices them per chunk of rows ({} for a text-only rollout)."""
+    return {key: output[key] for key in MULTIMODAL_KEYS if output.get(key) is not None}
+
+
 def _items_per_row(batch: dict, unit: str) -> torch.Tensor:
     """(B,) how many entries of a `unit`-indexed input (`multimodal_layout`) each row has."""
     if unit == "image":

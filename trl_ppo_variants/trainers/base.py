@@ -402,6 +402,9 @@ class VariantTrainer(GRPOTrainer):
         self.beta = 1.0 if self.needs_reference else 0.0
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
         self.relative_positions = generation.relative_positions(self.model)
+        #: whether the policy derives its positions from its image inputs (M-RoPE): a recording `generate` is then
+        #: given none (`generation.computes_own_positions`)
+        self.own_positions = generation.computes_own_positions(self.model)
         guards.check_model_limits(self)
 
     #: the config class this trainer takes (a subclass sets its own)
@@ -573,7 +576,7 @@ class VariantTrainer(GRPOTrainer):
         # KL see; without a recording the sampling stays exactly TRL's (`sampling_logps_source="forward"` keeps it
         # so with a KL too), which is why PEFT users who do not record keep TRL's fp32 decoding.
         autocast = self.accelerator.autocast() if record else contextlib.nullcontext()
-        column_positions = record and self.relative_positions
+        column_positions = record and self.relative_positions and not self.own_positions
         with autocast, generation.patched_generate(target, processors, temperature, column_positions) as calls:
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -778,11 +781,12 @@ class VariantTrainer(GRPOTrainer):
                                     f"more forward pass of the policy instead (logged as {FORWARD_FALLBACK_METRIC})")
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with torch.no_grad():
+        with torch.no_grad():  # the image inputs too (TRL slices them per chunk of rows, as in its own forwards)
             old, _, _ = super()._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size if self.model.training
                 else self.args.per_device_eval_batch_size,
+                **selection.image_inputs(output),
             )
         return old
 
@@ -817,9 +821,6 @@ class VariantTrainer(GRPOTrainer):
         """
         if self.kl_in_reward_coef == 0.0:
             return None
-        for key in selection.UNSUPPORTED_KEYS:
-            if key in output:
-                raise NotImplementedError(f"KL in the reward does not support multimodal rollouts yet ('{key}')")
         old = self.sampling_logps(output)
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
         mask = selection.loss_mask(output)
