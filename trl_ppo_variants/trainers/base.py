@@ -350,6 +350,28 @@ def accepts_trl_positional(init):
     return wrapper
 
 
+def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
+    """A state dict saved by `save_pretrained` (keys in the model's original format: transformers 5 reverts its
+    renamings on save) with the keys the model's `load_state_dict` expects. Only renamings are undone (a conversion
+    that merges or splits tensors is left to transformers); a state dict already in the model's keys is returned as
+    it is."""
+    from transformers import PreTrainedModel
+
+    own = model.state_dict().keys()
+    if not isinstance(model, PreTrainedModel) or set(state_dict) <= set(own):
+        return state_dict
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # each key carries its index through the reverse conversion: a pure renaming keeps it whole
+    markers = {key: torch.tensor([float(i)]) for i, key in enumerate(own)}
+    names = list(own)
+    saved = revert_weight_conversion(model, dict(markers))
+    if any(v.shape != (1,) for v in saved.values()):
+        return state_dict
+    renamed = {key: names[int(v.item())] for key, v in saved.items()}
+    return {renamed.get(key, key): value for key, value in state_dict.items()}
+
+
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -456,6 +478,19 @@ class VariantTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             checkpointing.load_trainer_state(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its
+        # key conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*") but `Trainer`
+        # loads them back raw, non-strict: a resumed VLM silently kept its initial weights. Renamed here first.
+        target = model if model is not None else self.model
+        load = target.load_state_dict
+        target.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
+            checkpoint_to_model_keys(target, state_dict), *a, **k)
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        finally:
+            del target.__dict__["load_state_dict"]
 
     def _get_train_sampler(self, dataset=None):
         # TRL's shuffle of epoch e depends on the passes already made: a resumed run would replay epoch 0's order
