@@ -210,3 +210,14 @@ def test_checkpoint_weights_load_back_under_the_models_names(vlm_dirs, family, t
     assert set(renamed) <= set(own) and len(renamed) == len(saved)
     assert all(torch.equal(renamed[k], own[k]) for k in renamed)
     assert checkpoint_to_model_keys(model, renamed) is renamed  # already the model's names: unchanged
+
+
+def test_models_that_place_their_own_positions_are_told_apart(vlm_dirs):
+    """Qwen's M-RoPE derives positions from the images (a recording `generate` gets none); Gemma3 counts them."""
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants import generation
+
+    own = {family: generation.computes_own_positions(AutoModelForImageTextToText.from_pretrained(path))
+           for family, path in vlm_dirs.items()}
+    assert own == {"gemma3": False, "qwen2_vl": True, "qwen2_5_vl": True}

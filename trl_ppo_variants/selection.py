@@ -18,6 +18,13 @@ A rollout dict holds per-row tensors whose first dimension is the local batch si
 left-padded, completion-aligned tensors right-padded; both are re-padded when batches are joined and re-trimmed when
 rows are handed back to a process. Any other per-row tensor of two or more dimensions is refused (its alignment is
 unknown, so padding it would silently corrupt it).
+
+Image inputs (vision-language models) are not row-aligned in TRL's layout: pixel_values is per patch (Qwen, with
+image_grid_thw), per image (Gemma3, LLaVA), per tile (LFM2-VL, InternVL) or padded per row (Idefics), a prompt may have
+0 or several images (num_images), token_type_ids / mm_token_type_ids span prompt and completion. `row_entries` packs
+them into dense per-row entries (`pack_multimodal`), which every move above treats like any row tensor (a round or a
+process without images gets rows without images), and `redistribute_rows` hands them back in TRL's layout
+(`unpack_multimodal`). An image input of a layout TRL 1.16 does not produce is refused with its name.
 """
 
 from __future__ import annotations
