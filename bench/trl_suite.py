@@ -2,6 +2,7 @@
 
     python bench/trl_suite.py --trl PATH_TO_TRL                    # every trainer, then the table
     python bench/trl_suite.py --trl PATH --trainers grpo,rloo -k "reward"   # a subset
+    python bench/trl_suite.py --trl PATH --vlm                     # every trainer, the vision-language tests only
 
 `PATH_TO_TRL` is a TRL checkout (a work tree) or a git directory (a bare clone or a mirror: `--rev` picks the commit,
 default HEAD). Its `tests/` and `scripts/` are copied into a scratch folder (the checkout is never changed, nothing of
@@ -10,7 +11,9 @@ TRL's enters this repository) and `tests/test_grpo_trainer.py` runs once per tra
 run length of the tests that leave `max_steps` unset (`--steps`, default 6; VAPO runs TRL's own lengths, which its
 default value pre-training of 50 steps needs) and reads the `trl-internal-testing/*` data sets offline. The Hub's tiny
 models are rebuilt offline by `bench/trl_suite_assets.py` (the same architectures, found through `HF_HUB_CACHE`).
-`trl.GRPOTrainer` itself is the baseline ("grpo").
+`trl.GRPOTrainer` itself is the baseline ("grpo"); this package's `GRPOTrainer` is "our_grpo".
+`--vlm` runs only TRL's vision-language tests (`TestGRPOTrainerVLM`: tiny Gemma3, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL and
+Qwen3.5 models rebuilt by `trl_ppo_variants.toy_vlm`) and writes to `bench/results/trl_suite_vlm` unless `--out` says.
 
 It prints, per trainer, passed / failed / skipped, then every test that fails with a trainer and passes with
 trl.GRPOTrainer, with its one-line cause, and writes `<out>/trl_suite.md` and `<out>/trl_suite.json`.
@@ -44,6 +47,9 @@ TEST_FILE = "tests/test_grpo_trainer.py"
 #: trainers whose default config needs more steps than the cap: they run the tests' own lengths
 OWN_LENGTH = {"vapo": "its value pre-training (value_pretrain_steps=50) needs more than the cap"}
 DEFAULT_OUT = BENCH / "results" / "trl_suite"
+VLM_OUT = BENCH / "results" / "trl_suite_vlm"
+#: the pytest -k expression of `--vlm`: TRL's vision-language test class
+VLM_TESTS = "TestGRPOTrainerVLM"
 #: what is exported from TRL's repository
 TRL_PARTS = ("tests", "scripts", "pyproject.toml")
 
@@ -175,8 +181,11 @@ def main(argv=None) -> int:
     parser.add_argument("--assets", type=Path, default=None,
                         help="where the offline models and data sets are built and reused (default: "
                              "trl_suite_assets under the package's cache, ~/.cache/trl_ppo_variants)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results folder (default {DEFAULT_OUT})")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"results folder (default {DEFAULT_OUT}; with --vlm {VLM_OUT})")
     parser.add_argument("-k", dest="keyword", default=None, help="pytest -k expression (a subset of the tests)")
+    parser.add_argument("--vlm", action="store_true",
+                        help=f"only the vision-language tests (-k {VLM_TESTS}; with -k: both must match)")
     parser.add_argument("--reuse", action="store_true", help="reuse <out>/runs/<trainer>.json of an earlier run")
     args = parser.parse_args(argv)
     if args.trl is None:
@@ -186,6 +195,10 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--trainers: unknown {unknown}; expected some of {list(TRAINERS)}")
     keys = ["grpo"] + [k for k in keys if k != "grpo"]
+    if args.vlm:
+        args.keyword = VLM_TESTS if not args.keyword else f"{VLM_TESTS} and ({args.keyword})"
+    if args.out is None:
+        args.out = VLM_OUT if args.vlm else DEFAULT_OUT
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     out = args.out.resolve()
@@ -226,7 +239,12 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lengths = f"max_steps {args.steps} where a test leaves it unset" + "".join(
         f"; {k}: the tests' own lengths ({why})" for k, why in OWN_LENGTH.items() if k in keys)
-    header = f"{TEST_FILE} of {source}, {trl_version_note()}, {stamp}; {lengths}."
+    selection = f"; the tests of -k {args.keyword!r}" if args.keyword else ""
+    header = f"{TEST_FILE} of {source}, {trl_version_note()}, {stamp}; {lengths}{selection}."
+    from trl_suite_assets import VLM_NOT_BUILT
+
+    text += "\n\nVision-language models not rebuilt (their tests are skipped): " + "; ".join(
+        f"{name} ({why})" for name, why in VLM_NOT_BUILT.items())
     walls = [f"{k} {round(r['wall_s'] / 60)}" for k, r in results.items() if r.get("wall_s") is not None]
     if walls:
         text += f"\n\nWall time per trainer (minutes, {args.jobs} at a time): " + ", ".join(walls)

@@ -27,6 +27,7 @@ import pytest
 #: trainer key -> (module, trainer class, config class, fields set on the config's defaults)
 TRAINERS = {
     "grpo": ("trl", "GRPOTrainer", "GRPOConfig", {}),
+    "our_grpo": ("trl_ppo_variants", "GRPOTrainer", "GRPOConfig", {}),
     "rloo": ("trl_ppo_variants", "RLOOTrainer", "RLOOConfig", {}),
     "remax": ("trl_ppo_variants", "ReMaxTrainer", "ReMaxConfig", {}),
     "reinforce_pp": ("trl_ppo_variants", "ReinforcePPTrainer", "ReinforcePPConfig", {}),

@@ -458,3 +458,24 @@ def test_screening_reaches_grpos_accuracy_with_fewer_generated_tokens(tmp_path, 
               f"({ratios[-1]:.2f}x): {curve}")
     median = sorted(ratios)[len(ratios) // 2 - 1 : len(ratios) // 2 + 1]
     assert sum(ratios) / len(ratios) <= 0.8 and sum(median) / 2 <= 0.8, ratios
+
+
+def test_keys_of_image_rows_follow_the_pixels():
+    """GRESO's history key and the refills' prompt key of a VLM row: the same question about another image is another
+    prompt; the same image read again (another object, another address in its repr) is the same."""
+    from PIL import Image
+
+    red, blue = Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    row = {"prompt": prompt, "image": red, "answer": "red"}
+    again = {"prompt": prompt, "image": red.copy(), "answer": "red"}
+    other = {"prompt": prompt, "image": blue, "answer": "red"}
+    assert screening.row_key(row) == screening.row_key(again) != screening.row_key(other)
+    assert screening.prompt_key(row) == screening.prompt_key(again) != screening.prompt_key(other)
+    inline = {"prompt": [{"role": "user", "content": [{"type": "image", "image": red}]}]}  # an image in a message
+    assert screening.prompt_key(inline) == screening.prompt_key(
+        {"prompt": [{"role": "user", "content": [{"type": "image", "image": red.copy()}]}]})
+    several = [{"prompt": prompt, "images": [red, blue]}, {"prompt": prompt, "images": [blue, red]}]
+    assert screening.prompt_key(several[0]) != screening.prompt_key(several[1])
+    # text rows keep their keys (GRESO histories saved before stay valid)
+    assert screening.prompt_key({"prompt": "1+2="}) == repr("1+2=")

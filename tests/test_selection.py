@@ -88,6 +88,13 @@ class _World:
         dst.copy_(torch.cat(parts, dim=0))
         self.barrier.wait()
 
+    def gather_objects(self, rank, obj):
+        self.slots[rank] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
 
 class _Acc:
     def __init__(self, world, rank, n):
@@ -256,7 +263,7 @@ def test_unknown_or_multimodal_keys_are_refused():
     with pytest.raises(NotImplementedError, match="how 'mystery' is aligned"):
         selection.gather_rollout(acc, {**g, "mystery": torch.zeros(2, 3)}, 2, PAD)
     with pytest.raises(NotImplementedError, match="multimodal"):
-        selection.gather_rollout(acc, {**g, "pixel_values": torch.zeros(7, 3)}, 2, PAD)
+        selection.gather_rollout(acc, {**g, "pixel_values": torch.zeros(7, 3), "num_images": [3, 4]}, 2, PAD)
     # a per-row scalar of unknown meaning is fine: it is moved like the rows
     assert selection.gather_rollout(acc, {**g, "score": torch.ones(2)}, 2, PAD)["score"].tolist() == [1.0, 1.0]
 
@@ -410,3 +417,189 @@ def test_surplus_completions_are_trimmed_and_extras_follow_the_rows():
     extras = acc.final_extras["s"]
     assert extras.shape == (4, 3) and extras[:2, 0].tolist() == [0.0, 1.0] and torch.isnan(extras[0, 1])
     assert extras[2:].tolist() == [[5.0] * 3] * 2
+
+
+# ------------------------------------------------------------------------------------------------ image inputs
+# Each family's layout as TRL 1.16 puts it in a rollout (GRPOTrainer._generate_and_score_completions): built from
+# per-row ground truth whose every pixel names its row, so that a row separated from its images is seen.
+FAMILIES = ("qwen2_vl", "gemma3", "llava_next", "gemma4", "lfm2_vl", "internvl", "idefics")
+
+
+def _row_truth(family, row, n_images, gen):
+    """One row's prompt/completion and image inputs; every pixel value encodes (row, image, entry)."""
+    prompt = torch.randint(1, 50, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen) + 1000 * row
+    completion = torch.randint(1, 50, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+    # which prompt tokens are image tokens (none without an image)
+    types = (torch.rand(prompt.shape, generator=gen) < 0.5).long() * (n_images > 0)
+    truth = {"prompt": prompt, "completion": completion, "types": types, "images": [], "extra": []}
+    for i in range(n_images):
+        if family == "qwen2_vl":
+            grid = torch.tensor([1, 2, int(torch.randint(1, 4, (1,), generator=gen)) * 2])
+            entries = int(grid.prod())
+            truth["extra"].append(grid)
+        elif family in ("lfm2_vl", "internvl"):
+            entries = int(torch.randint(1, 4, (1,), generator=gen))  # tiles of this image
+        else:
+            entries = 1
+        pixels = torch.arange(entries, dtype=torch.float).view(-1, 1, 1) + 100 * i + 10_000 * (row + 1)
+        truth["images"].append(pixels.expand(entries, 3, 2).clone())
+        if family == "llava_next":
+            truth["extra"].append(torch.tensor([32 + row, 16 + i]))
+        if family == "gemma4":
+            truth["extra"].append(torch.tensor([row * 10 + i, 7]))
+    return truth
+
+
+def _trl_layout(family, rows):
+    """The rollout dict TRL builds for these rows (prompts left-padded, completions right-padded)."""
+    B = len(rows)
+    P = max(r["prompt"].numel() for r in rows)
+    C = max(r["completion"].numel() for r in rows)
+    out = {"prompt_ids": torch.zeros(B, P, dtype=torch.long), "prompt_mask": torch.zeros(B, P, dtype=torch.long),
+           "completion_ids": torch.zeros(B, C, dtype=torch.long),
+           "completion_mask": torch.zeros(B, C, dtype=torch.long), "advantages": torch.arange(B, dtype=torch.float)}
+    types = torch.zeros(B, P + C, dtype=torch.long)
+    for i, r in enumerate(rows):
+        p, c = r["prompt"].numel(), r["completion"].numel()
+        out["prompt_ids"][i, P - p:], out["prompt_mask"][i, P - p:] = r["prompt"], 1
+        out["completion_ids"][i, :c], out["completion_mask"][i, :c] = r["completion"], 1
+        types[i, P - p: P] = r["types"]
+    images = [img for r in rows for img in r["images"]]
+    if not images:  # TRL leaves every image input out of a batch without images
+        return out
+    out["num_images"] = [len(r["images"]) for r in rows]
+    if family == "idefics":  # one entry per row, padded to the most images of a row with zero images
+        n = max(out["num_images"])
+        out["pixel_values"] = torch.zeros(B, n, 3, 2)
+        out["pixel_attention_mask"] = torch.zeros(B, n, 2, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            for j, img in enumerate(r["images"]):
+                out["pixel_values"][i, j], out["pixel_attention_mask"][i, j] = img[0], True
+        return out
+    out["pixel_values"] = torch.cat(images)
+    extra = [e for r in rows for e in r["extra"]]
+    if family == "qwen2_vl":
+        out["image_grid_thw"] = torch.stack(extra)
+        out["mm_token_type_ids"] = types
+    elif family == "gemma3":
+        out["token_type_ids"] = types
+    elif family == "llava_next":
+        out["image_sizes"] = torch.stack(extra)
+    elif family == "gemma4":
+        out["image_position_ids"] = torch.stack(extra)
+    elif family in ("lfm2_vl", "internvl"):
+        out["num_tiles"] = [sum(img.shape[0] for img in r["images"]) for r in rows]
+        if family == "lfm2_vl":
+            tiles = out["pixel_values"].shape[0]
+            out["spatial_shapes"] = out["pixel_values"][:, 0, :2].long()  # per tile, names its row too
+            out["pixel_attention_mask"] = out["pixel_values"][:, :, 0] > 0
+            assert out["spatial_shapes"].shape[0] == tiles
+    return out
+
+
+def _vlm_rollout(family, num_images, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = [_row_truth(family, i, n, gen) for i, n in enumerate(num_images)]
+    return rows, _trl_layout(family, rows)
+
+
+def _assert_same_layout(got, want, family):
+    want = {k: v for k, v in want.items() if k != "advantages"}
+    got = {k: v for k, v in got.items() if k in want or k in selection.MULTIMODAL_KEYS}
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, list):
+            assert got[key] == value, key
+        elif family == "idefics" and key in ("pixel_values", "pixel_attention_mask"):
+            width = value.shape[1]  # selection may keep wider (zero) padding of images: the same rows otherwise
+            assert not got[key][:, width:].any() and torch.equal(got[key][:, :width], value), key
+        else:
+            assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selected_rows_keep_their_own_images(family):
+    """A permutation and a subset of rows, through row_entries -> index -> redistribute_rows (one process): each kept
+    row comes back with exactly its images (and image-token types), in TRL's layout; a row without an image too."""
+    num_images = [1, 0, 2, 1, 3, 1]
+    rows, rollout = _vlm_rollout(family, num_images)
+    for keep in ([5, 3, 0, 1, 4, 2], [2, 4], [1, 3], [1]):
+        picked = selection.row_entries(rollout, len(rows))
+        picked = {k: v[torch.tensor(keep)] for k, v in picked.items() if k != "advantages"}
+        got = selection.redistribute_rows(_Acc(None, 0, 1), picked, torch.zeros(len(keep), dtype=torch.long), PAD)
+        _assert_same_layout(got, _trl_layout(family, [rows[i] for i in keep]), family)
+
+
+def test_misaligned_images_are_detected():
+    """The check above fails if images are kept in their old order: the helper is not vacuous."""
+    rows, rollout = _vlm_rollout("qwen2_vl", [1, 2, 1])
+    swapped = _trl_layout("qwen2_vl", [rows[2], rows[1], rows[0]])
+    swapped["pixel_values"] = rollout["pixel_values"]  # the rows permuted, their images not
+    with pytest.raises(AssertionError):
+        _assert_same_layout(swapped, _trl_layout("qwen2_vl", [rows[2], rows[1], rows[0]]), "qwen2_vl")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3", "idefics"])
+def test_rounds_with_and_without_images_join(family):
+    """concat_rollouts (DAPO's rounds) of a round with images and one whose prompts had none (TRL then leaves every
+    image input out): the image-less rows get no images, the others keep theirs."""
+    rows_a, a = _vlm_rollout(family, [2, 1], seed=1)
+    rows_b, b = _vlm_rollout(family, [0, 0, 0], seed=2)
+    assert "pixel_values" not in b
+    joined = selection.concat_rollouts([selection.row_entries(a, 2), selection.row_entries(b, 3)], PAD)
+    out = selection.redistribute_rows(_Acc(None, 0, 1), joined, torch.zeros(5, dtype=torch.long), PAD)
+    _assert_same_layout(out, _trl_layout(family, rows_a + rows_b), family)
+    order = torch.tensor([3, 1, 4])  # only image-less rows but one
+    out = selection.redistribute_rows(_Acc(None, 0, 1), {k: v[order] for k, v in joined.items()},
+                                      torch.zeros(3, dtype=torch.long), PAD)
+    _assert_same_layout(out, _trl_layout(family, [(rows_a + rows_b)[i] for i in order]), family)
+    only_plain = {k: v[torch.tensor([2, 4])] for k, v in joined.items()}
+    out = selection.redistribute_rows(_Acc(None, 0, 1), only_plain, torch.zeros(2, dtype=torch.long), PAD)
+    assert not set(out) & set(selection.MULTIMODAL_KEYS)  # as TRL leaves them out
+
+
+def test_accumulated_rounds_keep_images_with_rows():
+    """DAPO's GroupAccumulator over two rounds (one without images): the kept groups' rows carry their images."""
+    rows_a, a = _vlm_rollout("qwen2_vl", [1, 2, 1, 1], seed=3)
+    rows_b, b = _vlm_rollout("qwen2_vl", [0, 0, 1, 2], seed=4)
+    acc = selection.GroupAccumulator(target_groups=2, group_size=2)
+    acc.add_round(selection.row_entries(a, 4), torch.tensor([[1.0], [1.0], [0.0], [1.0]]),
+                  torch.tensor([1.0, 1.0, 0.0, 1.0]))  # group 0 has no spread, group 1 has
+    acc.add_round(selection.row_entries(b, 4), torch.tensor([[0.0], [1.0], [0.0], [0.0]]),
+                  torch.tensor([0.0, 1.0, 0.0, 0.0]))
+    local, sources, *_ = acc.finalize(PAD)
+    out = selection.redistribute_rows(_Acc(None, 0, 1), local, sources, PAD)
+    _assert_same_layout(out, _trl_layout("qwen2_vl", [rows_a[2], rows_a[3], rows_b[0], rows_b[1]]), "qwen2_vl")
+
+
+def test_two_processes_move_rows_with_their_images(threaded_exchange, monkeypatch):
+    """Rows change process with their images; rank 1's rollout has no image at all (its entries are agreed on)."""
+    rows0, r0 = _vlm_rollout("qwen2_vl", [1, 2, 0], seed=5)
+    rows1, r1 = _vlm_rollout("qwen2_vl", [0, 0, 0], seed=6)
+    local = [selection.row_entries(r0, 3), selection.row_entries(r1, 3)]
+    monkeypatch.setattr(selection, "_gather_objects", lambda acc, obj: acc.world.gather_objects(acc.process_index,
+                                                                                                  obj))
+    sources = torch.tensor([1, 0, 1, 0, 0, 1])  # batch: rows1[0], rows0[0], rows1[1], rows0[1], rows0[2], rows1[2]
+    held = [[0, 1, 2], [0, 1, 2]]  # each rank's rows of the batch, in batch order
+
+    def step(acc):
+        mine = local[acc.process_index]
+        return selection.redistribute_rows(acc, {k: v[torch.tensor(held[acc.process_index])]
+                                                 for k, v in mine.items()}, sources, PAD)
+
+    out0, out1 = _run_ranks(2, step)
+    _assert_same_layout(out0, _trl_layout("qwen2_vl", [rows1[0], rows0[0], rows1[1]]), "qwen2_vl")
+    _assert_same_layout(out1, _trl_layout("qwen2_vl", [rows0[1], rows0[2], rows1[2]]), "qwen2_vl")
+
+
+def test_unknown_multimodal_layouts_are_refused_naming_the_key():
+    _, rollout = _vlm_rollout("qwen2_vl", [1, 1])
+    with pytest.raises(NotImplementedError, match="'pixel_values_videos'"):
+        selection.row_entries({**rollout, "pixel_values_videos": torch.zeros(4, 3)}, 2)
+    with pytest.raises(NotImplementedError, match="'pixel_values'"):  # neither per image nor per row
+        selection.row_entries({"num_images": [1, 1], **{k: v for k, v in rollout.items() if k not in (
+            "image_grid_thw", "mm_token_type_ids", "pixel_values")}, "pixel_values": torch.zeros(5, 3)}, 2)
+    with pytest.raises(NotImplementedError, match="'mm_token_type_ids'"):
+        selection.row_entries({**rollout, "mm_token_type_ids": torch.zeros(2, 3)}, 2)
+    with pytest.raises(NotImplementedError, match="'pixel_values'.*row_entries"):  # unpacked into the moves
+        selection.gather_rollout(_Acc(None, 0, 1), rollout, 2, PAD)

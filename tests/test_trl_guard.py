@@ -117,3 +117,21 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
             f"GRPOTrainer._compute_loss no longer contains {needle!r}: the KL toggling, log-prob capture and "
             "per-step token normaliser in trainers/base.py must be re-checked"
         )
+
+
+def test_the_image_inputs_trl_slices_are_the_ones_selection_moves():
+    """selection.py packs per row exactly the image inputs TRL's forward takes (and nothing it does not know)."""
+    from trl_ppo_variants import selection
+
+    params = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
+    image_params = params[params.index("compute_aux_loss") + 1:]
+    assert sorted(image_params) == sorted(selection.MULTIMODAL_KEYS), (
+        f"trl {trl.__version__}'s _get_per_token_logps_and_entropies takes the image inputs {image_params}; "
+        f"selection.MULTIMODAL_KEYS (how rows keep their images) knows {list(selection.MULTIMODAL_KEYS)}")
+
+
+def test_transformers_weight_renaming_we_undo_on_resume():
+    """`VariantTrainer._load_from_checkpoint` undoes `save_pretrained`'s renaming with transformers' own reverse."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    assert list(inspect.signature(revert_weight_conversion).parameters)[:2] == ["model", "state_dict"]

@@ -111,3 +111,28 @@ def test_results_name_trls_commit_not_a_folder_of_the_machine(tmp_path, layout):
     assert (dest / "tests" / "test_grpo_trainer.py").is_file() and (dest / "pyproject.toml").is_file()
     assert source == f"TRL's repository at {commit[:12]}"
     assert str(tmp_path) not in source and "trl-checkout" not in source
+
+
+@pytest.mark.slow  # builds two models and loads them in a fresh process (about 20 s)
+def test_vlm_stand_ins_load_from_the_hub_cache_offline(tmp_path):
+    """TRL's VLM tests load `trl-internal-testing/tiny-*ForConditionalGeneration` by name: the stand-ins resolve
+    through `HF_HUB_CACHE` with the Auto classes TRL uses, processor included (no video processor, no torchvision)."""
+    import subprocess
+
+    names = ["tiny-Gemma3ForConditionalGeneration", "tiny-Qwen2VLForConditionalGeneration"]
+    trl_suite_assets.build_assets(tmp_path, tmp_path, only=names, log=lambda *_: None)
+    assert set(names) <= set(trl_suite_assets.VLM_MODELS) and not set(trl_suite_assets.VLM_MODELS) & set(
+        trl_suite_assets.VLM_NOT_BUILT)
+    # a fresh process, as the suite's pytest run: the plugin's import of toy_vlm registers the Qwen processors
+    code = ("import trl_ppo_variants.toy_vlm, torch\n"
+            "from transformers import AutoModelForImageTextToText, AutoProcessor\n"
+            f"for name in {names!r}:\n"
+            "    repo = 'trl-internal-testing/' + name\n"
+            "    model, processor = AutoModelForImageTextToText.from_pretrained(repo), AutoProcessor.from_pretrained(repo)\n"
+            "    assert model.dtype == torch.bfloat16 and processor.image_processor is not None\n"
+            "    print(type(model).__name__, type(processor).__name__)\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Gemma3ForConditionalGeneration", "Gemma3Processor",
+                                  "Qwen2VLForConditionalGeneration", "ToyQwen2VLProcessor"]

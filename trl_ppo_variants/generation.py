@@ -46,7 +46,11 @@ Where the recorded numbers are the training forward's, and where they cannot be 
   included). With rotary embeddings only position differences enter attention and the shift cancels in exact
   arithmetic, not in rounding (7e-3 per token under bf16 autocast on CPU): for such models a recording `generate`
   is given the forward's positions (`patched_generate(column_positions=True)`), which samples from the same
-  distribution with the forward's rounding of the rotation. With a learned or sinusoidal position table (GPT-2, GPT-Neo,
+  distribution with the forward's rounding of the rotation. Models that derive their positions from their image
+  inputs (`computes_own_positions`: Qwen2-VL's M-RoPE) are given none: arange positions would override the image-aware
+  ones (1.1e-4 per token off on a tiny Qwen2-VL, and another distribution); their `generate` and forward both count a
+  row's positions from its first token, so they agree (a text-only left-padded batch up to the rotation's rounding,
+  as above). With a learned or sinusoidal position table (GPT-2, GPT-Neo,
   GPT-BigCode, OPT, ...) or a RoPE whose frequencies depend on the largest position ("dynamic", "longrope") the
   shift does not cancel, and giving `generate` the forward's positions would change what is sampled (away from
   TRL's, to positions the model never sees at inference); the KL in the reward must compare like with like (the
@@ -99,6 +103,13 @@ def relative_positions(model: torch.nn.Module) -> bool:
         if any(kind in LENGTH_DEPENDENT_ROPE for kind in kinds):
             return False
     return bool(ropes)
+
+
+def computes_own_positions(model: torch.nn.Module) -> bool:
+    """Whether the model derives its position ids from its inputs itself, images included (M-RoPE: Qwen2-VL,
+    Qwen2.5-VL, ... compute 3-D positions with `get_rope_index` from `image_grid_thw` and the attention mask, counted
+    from each row's first token, in `generate` as in the forward): such a model must not be given positions."""
+    return any(callable(getattr(m, "get_rope_index", None)) for m in model.modules())
 
 
 def token_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:

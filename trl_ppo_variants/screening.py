@@ -278,15 +278,41 @@ def update_exploration(p: float, observed: float, target: float, step: float, lo
     return max(p - step, low) if observed >= target else min(p + step, high)
 
 
+def content_repr(value) -> str:
+    """`repr(value)`, with every image inside it (PIL, in a column or a message part) written as a hash of its pixels:
+    an image's own repr names its memory address, which differs between processes and runs (GRESO's history would
+    then never match, and the processes would disagree on what to skip). Values without images: their repr."""
+    if not _holds_image(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {content_repr(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(content_repr(v) for v in value) + "]"
+    digest = hashlib.blake2b(value.tobytes(), digest_size=8)
+    digest.update(repr((value.mode, value.size)).encode())
+    return f"<image {digest.hexdigest()}>"
+
+
+def _holds_image(value) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_image(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_image(v) for v in value)
+    return hasattr(value, "tobytes") and hasattr(value, "getpixel")  # a PIL image (no import of PIL needed)
+
+
 def row_key(row: dict) -> str:
-    """GRESO's history key of a data-set row: a hash of all its columns (see the module docstring)."""
-    text = repr(sorted((str(k), repr(v)) for k, v in row.items()))
+    """GRESO's history key of a data-set row: a hash of all its columns, images by their pixels (see the module
+    docstring)."""
+    text = repr(sorted((str(k), content_repr(v)) for k, v in row.items()))
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def prompt_key(row: dict) -> str:
-    """What makes two rows the same prompt for the refills' freshness check (DAPO's: the prompt itself)."""
-    return repr(row.get("prompt"))
+    """What makes two rows the same prompt for the refills' freshness check (DAPO's: the prompt itself, with its
+    images: the same question about another image is another prompt)."""
+    images = [row[c] for c in ("image", "images") if row.get(c) is not None]
+    return content_repr(row.get("prompt")) + "".join(content_repr(i) for i in images)
 
 
 # ----------------------------------------------------------------------------------------------- prompt sources

@@ -18,6 +18,13 @@ A rollout dict holds per-row tensors whose first dimension is the local batch si
 left-padded, completion-aligned tensors right-padded; both are re-padded when batches are joined and re-trimmed when
 rows are handed back to a process. Any other per-row tensor of two or more dimensions is refused (its alignment is
 unknown, so padding it would silently corrupt it).
+
+Image inputs (vision-language models) are not row-aligned in TRL's layout: pixel_values is per patch (Qwen, with
+image_grid_thw), per image (Gemma3, LLaVA), per tile (LFM2-VL, InternVL) or padded per row (Idefics), a prompt may have
+0 or several images (num_images), token_type_ids / mm_token_type_ids span prompt and completion. `row_entries` packs
+them into dense per-row entries (`pack_multimodal`), which every move above treats like any row tensor (a round or a
+process without images gets rows without images), and `redistribute_rows` hands them back in TRL's layout
+(`unpack_multimodal`). An image input of a layout TRL 1.16 does not produce is refused with its name.
 """
 
 from __future__ import annotations
@@ -44,8 +51,11 @@ COMPLETION_KEYS = (
     "returns",  # PPO/VAPO: value targets, (B, T)
     "value_mask",  # PPO/VAPO: tokens with a value target, (B, T)
 )
-# Multimodal entries are not row-aligned (pixel_values is per patch) or span prompt and completion (token_type_ids).
-UNSUPPORTED_KEYS = (
+# TRL 1.16's image inputs of a rollout (`GRPOTrainer._generate_and_score_completions`), which its
+# `_get_per_token_logps_and_entropies` slices per chunk of rows. Most are not row-aligned (pixel_values is per patch,
+# image or tile); `row_entries` packs them into dense per-row tensors (`pack_multimodal`) so that rows and their
+# images move together, and `redistribute_rows` hands them back in TRL's layout (`unpack_multimodal`).
+MULTIMODAL_KEYS = (
     "pixel_values",
     "image_grid_thw",
     "pixel_attention_mask",
@@ -57,8 +67,15 @@ UNSUPPORTED_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-
-
+#: fragments of the names of image (or video) inputs: an entry so named that `MULTIMODAL_KEYS` does not list has a
+#: layout this module does not know, and is refused rather than dropped
+MULTIMODAL_NAME_PARTS = ("pixel", "image", "video", "grid_thw", "tile", "spatial", "token_type", "patch")
+#: per-row counts TRL keeps as Python lists (one int per row)
+COUNT_KEYS = ("num_images", "num_tiles")
+#: per-token inputs spanning prompt and completion, (B, P + C): packed as a prompt and a completion part
+SPANNING_KEYS = ("token_type_ids", "mm_token_type_ids")
+#: prefix of the packed entries (never a TRL name: a rollout holds one layout or the other)
+PACKED = "mm:"
 # ----------------------------------------------------------------------------------------------- pure decisions
 def group_spread_mask(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
     """Which groups have a reward spread: sample std over the group's finite rewards > eps.
@@ -453,16 +470,185 @@ class GroupAccumulator:
         return local, sources, rewards, positions, real_rows, exhausted
 
 
+# ----------------------------------------------------------------------------------------------- image inputs
+def multimodal_layout(batch: dict, num_rows: int) -> dict[str, str]:
+    """What the first dimension of each image input of a rollout (B = `num_rows` rows) counts, read the way TRL's
+    `_get_per_token_logps_and_entropies` slices them: `"patch"` (Qwen's pixel_values: the patches of the row's images,
+    `image_grid_thw.prod(-1)` each), `"image"` (image_grid_thw, image_sizes, image_position_ids, and pixel_values
+    when it has one entry per image: Gemma3, LLaVA), `"tile"` (LFM2-VL's and InternVL's tiles, `num_tiles` per row),
+    `"row"` (pixel_values and pixel_attention_mask padded to one entry per row: Idefics, SmolVLM), `"token"`
+    (token_type_ids, mm_token_type_ids: (B, P + C)) or `"count"` (num_images, num_tiles: a list of B ints).
+
+    A layout it cannot tell (an unknown image input, counts that do not add up) raises a one-line
+    NotImplementedError naming the entry.
+    """
+    for key in batch:
+        if key not in MULTIMODAL_KEYS and not key.startswith(PACKED) and any(
+                part in key for part in MULTIMODAL_NAME_PARTS):
+            raise NotImplementedError(f"row selection does not know the multimodal input '{key}' (it handles "
+                                      f"{', '.join(MULTIMODAL_KEYS)})")
+    present = [k for k in MULTIMODAL_KEYS if batch.get(k) is not None]
+    if not present:
+        return {}
+    layout = {k: "count" for k in COUNT_KEYS if k in present}
+    layout.update({k: "token" for k in SPANNING_KEYS if k in present})
+    num_images = batch.get("num_images")
+    images = sum(num_images) if num_images is not None else None
+    pixels = batch.get("pixel_values")
+    if pixels is not None:
+        if "image_grid_thw" in batch:
+            layout.update(pixel_values="patch", image_grid_thw="image")
+        elif "image_position_ids" in batch:
+            layout.update(pixel_values="image", image_position_ids="image")
+        elif "spatial_shapes" in batch:
+            layout.update(pixel_values="tile", pixel_attention_mask="tile", spatial_shapes="tile")
+        elif "num_tiles" in batch:
+            layout.update(pixel_values="tile")
+        elif images is not None and pixels.shape[0] == images:
+            layout.update(pixel_values="image")
+        elif pixels.shape[0] == num_rows:
+            layout.update(pixel_values="row")
+        else:
+            raise NotImplementedError(f"row selection does not know how 'pixel_values' (shape {tuple(pixels.shape)}) "
+                                      f"maps to the {num_rows} rows (num_images={num_images})")
+    if "pixel_attention_mask" in present and "pixel_attention_mask" not in layout:
+        layout["pixel_attention_mask"] = "row"
+    if "image_sizes" in present:
+        layout["image_sizes"] = "image"
+    for key in present:
+        unit = layout.get(key)
+        if unit is None:  # image_grid_thw without pixel_values, ...
+            raise NotImplementedError(f"row selection does not know how '{key}' is laid out without the inputs it "
+                                      "belongs to (pixel_values)")
+        if unit in ("image", "patch") and num_images is None:
+            raise NotImplementedError(f"row selection needs 'num_images' to split '{key}' per row")
+        if unit == "tile" and batch.get("num_tiles") is None:
+            raise NotImplementedError(f"row selection needs 'num_tiles' to split '{key}' per row")
+    return layout
+
+
+def image_inputs(output: dict) -> dict:
+    """The image inputs of a rollout (TRL's layout), as keyword arguments of TRL's
+    `_get_per_token_logps_and_entropies`, which slices them per chunk of rows ({} for a text-only rollout)."""
+    return {key: output[key] for key in MULTIMODAL_KEYS if output.get(key) is not None}
+
+
+def _items_per_row(batch: dict, unit: str) -> torch.Tensor:
+    """(B,) how many entries of a `unit`-indexed input (`multimodal_layout`) each row has."""
+    if unit == "image":
+        return torch.tensor(batch["num_images"], dtype=torch.long)
+    if unit == "tile":
+        return torch.tensor(batch["num_tiles"], dtype=torch.long)
+    per_image = batch["image_grid_thw"].prod(dim=-1).cpu()  # patch: the patches of each of the row's images
+    return torch.stack([part.sum() for part in torch.split(per_image, list(batch["num_images"]))]) if len(
+        batch["num_images"]) else torch.zeros(0, dtype=torch.long)
+
+
+def pack_multimodal(batch: dict, num_rows: int) -> dict:
+    """A rollout's image inputs (TRL's layout) -> dense per-row entries named `mm:<key>`; other entries unchanged.
+
+    An input indexed by patch, image or tile, (M, ...) with row i owning `n_i` consecutive entries, becomes
+    `mm:<key>` (B, max n_i, ...), zero-padded on the right, and `mm:<key>:count` (B,) = n_i; a per-row input
+    (Idefics) stays (B, N, ...) (padding more images with zeros is the processor's own padding); a per-token input
+    (B, P + C) is split into `mm:<key>:prompt` (B, P), left-aligned with the prompt, and `mm:<key>:completion` (B, C);
+    `num_images` / `num_tiles` become (B,) tensors. Rows of the packed dict can then be indexed, joined and moved
+    between processes like any row entry, and `unpack_multimodal` restores TRL's layout.
+    """
+    layout = multimodal_layout(batch, num_rows)
+    if not layout:
+        return dict(batch)
+    out = {k: v for k, v in batch.items() if k not in layout}
+    prompt_width = batch["prompt_ids"].shape[1] if "prompt_ids" in batch else None
+    completion_width = batch["completion_ids"].shape[1] if "completion_ids" in batch else None
+    for key, unit in layout.items():
+        value = batch[key]
+        if unit == "count":
+            if len(value) != num_rows:
+                raise NotImplementedError(f"'{key}' has {len(value)} entries for {num_rows} rows")
+            out[PACKED + key] = torch.tensor(list(value), dtype=torch.long)
+        elif unit == "token":
+            if prompt_width is None or completion_width is None or value.shape[:2] != (
+                    num_rows, prompt_width + completion_width):
+                raise NotImplementedError(f"'{key}' (shape {tuple(value.shape)}) is not aligned with prompt_ids + "
+                                          f"completion_ids ({num_rows} rows of {prompt_width} + {completion_width})")
+            out[f"{PACKED}{key}:prompt"] = value[:, :prompt_width]
+            out[f"{PACKED}{key}:completion"] = value[:, prompt_width:]
+        elif unit == "row":
+            if value.shape[0] != num_rows:
+                raise NotImplementedError(f"'{key}' (shape {tuple(value.shape)}) has no entry per row ({num_rows})")
+            out[PACKED + key] = value
+        else:
+            counts = _items_per_row(batch, unit).to(value.device)
+            if int(counts.sum()) != value.shape[0] or counts.numel() != num_rows:
+                raise NotImplementedError(f"'{key}' has {value.shape[0]} entries, its rows' {unit}s add up to "
+                                          f"{int(counts.sum())}")
+            width = int(counts.max()) if counts.numel() else 0
+            packed = value.new_zeros((num_rows, width, *value.shape[1:]))
+            packed[torch.arange(width, device=value.device) < counts.unsqueeze(1)] = value  # row-major: in order
+            out[PACKED + key] = packed
+            out[f"{PACKED}{key}:count"] = counts
+    return out
+
+
+def unpack_multimodal(rows: dict) -> dict:
+    """Inverse of `pack_multimodal`: TRL's layout for the rows held (entries of rows without images drop out). When
+    no row holds an image, every image input is left out, as TRL leaves them out of an image-less batch."""
+    packed = [k for k in rows if k.startswith(PACKED)]
+    if not packed:
+        return rows
+    out = {k: v for k, v in rows.items() if not k.startswith(PACKED)}
+    counts = [rows[PACKED + k] for k in COUNT_KEYS if PACKED + k in rows]
+    if counts and not any(bool(c.any()) for c in counts):
+        return out
+    for key in packed:
+        name = key[len(PACKED):]
+        value = rows[key]
+        if name in COUNT_KEYS:
+            out[name] = [int(n) for n in value.tolist()]
+        elif name.endswith(":prompt"):
+            base = name.removesuffix(":prompt")
+            out[base] = torch.cat([value, rows[f"{PACKED}{base}:completion"]], dim=1)
+        elif name.endswith((":completion", ":count")):
+            continue
+        elif f"{key}:count" in rows:
+            counts = rows[f"{key}:count"].to(value.device)
+            flat = value[torch.arange(value.shape[1], device=value.device) < counts.unsqueeze(1)]
+            if flat.shape[0]:
+                out[name] = flat
+        elif value.shape[0] and value.shape[1]:  # per-row (B, N, ...)
+            out[name] = value
+    return out
+
+
+def _empty_rows_like(key: str, template: torch.Tensor, part: dict) -> torch.Tensor:
+    """A packed entry `key` for the rows of a rollout `part` that has none (a round whose prompts had no image): no
+    images, zero token types, shaped and typed like `template` (the entry of another part)."""
+    rows = part["completion_mask"].shape[0] if "completion_mask" in part else next(iter(part.values())).shape[0]
+    if key.endswith(":prompt"):
+        return template.new_zeros((rows, part["prompt_ids"].shape[1]))
+    if key.endswith(":completion"):
+        return template.new_zeros((rows, part["completion_ids"].shape[1]))
+    return template.new_zeros((rows, *((0, *template.shape[2:]) if template.dim() >= 2 else ())))
+
+
+def _is_prompt_key(key: str) -> bool:
+    return key in PROMPT_KEYS or (key.startswith(PACKED) and key.endswith(":prompt"))
+
+
+def _is_completion_key(key: str) -> bool:
+    return key in COMPLETION_KEYS or (key.startswith(PACKED) and key.endswith(":completion"))
+
+
 # ----------------------------------------------------------------------------------------------- distributed moves
 def _row_keys(output: dict, num_rows: int) -> list[str]:
-    for key in UNSUPPORTED_KEYS:
-        if key in output:
-            raise NotImplementedError(
-                f"row selection does not support multimodal rollouts yet (found '{key}' in the batch)"
-            )
+    for key in MULTIMODAL_KEYS:
+        if output.get(key) is not None:
+            raise NotImplementedError(f"'{key}' is in TRL's multimodal layout, not per row: take the rows with "
+                                      "selection.row_entries first")
+    multimodal_layout(output, num_rows)  # refuses unknown image inputs instead of dropping them
     keys = [k for k, v in output.items() if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == num_rows]
     for key in keys:
-        if output[key].dim() >= 2 and key not in PROMPT_KEYS + COMPLETION_KEYS:
+        if output[key].dim() >= 2 and not (_is_prompt_key(key) or _is_completion_key(key) or key.startswith(PACKED)):
             raise NotImplementedError(
                 f"row selection does not know how '{key}' is aligned (shape {tuple(output[key].shape)}); "
                 "add it to PROMPT_KEYS or COMPLETION_KEYS in trl_ppo_variants/selection.py"
@@ -471,8 +657,10 @@ def _row_keys(output: dict, num_rows: int) -> list[str]:
 
 
 def row_entries(output: dict, num_rows: int) -> dict:
-    """The per-row tensors of a rollout dict (B = `num_rows` rows); refuses entries whose alignment is unknown."""
-    return {key: output[key] for key in _row_keys(output, num_rows)}
+    """The per-row tensors of a rollout dict (B = `num_rows` rows), image inputs packed per row
+    (`pack_multimodal`); refuses entries whose alignment is unknown."""
+    packed = pack_multimodal(output, num_rows)
+    return {key: packed[key] for key in _row_keys(packed, num_rows)}
 
 
 def _pad_value(key: str, pad_token_id: int):
@@ -508,25 +696,38 @@ def _pad_to_widest(accelerator, rows: dict, pad_token_id: int) -> dict:
         return dict(rows)
     local = torch.tensor([rows[k].shape[1] for k in wide], device=rows[wide[0]].device, dtype=torch.long)
     widths = dict(zip(wide, accelerator.gather(local).view(-1, len(wide)).max(dim=0).values.tolist()))
-    return {key: _pad_to(t, int(widths[key]), left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id))
+    return {key: _pad_to(t, int(widths[key]), left=_is_prompt_key(key), value=_pad_value(key, pad_token_id))
             if key in widths else t for key, t in rows.items()}
 
 
 def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
-    """Join rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right.
+    """Join rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right (packed image
+    inputs, `pack_multimodal`, on the right with zeros: no image).
 
-    Keys missing from some of the rollouts are dropped (they cannot be filled in)."""
+    Keys missing from some of the rollouts are dropped (they cannot be filled in), except packed image inputs: a
+    rollout without them (a round of prompts without images) gets rows without images."""
     if len(rollouts) == 1:
         return dict(rollouts[0])
+    rollouts = _with_every_packed_key(rollouts)
     keys = [k for k in rollouts[0] if all(k in r for r in rollouts)]
     result = {}
     for key in keys:
         parts = [r[key] for r in rollouts]
         if parts[0].dim() >= 2:
             width = max(p.shape[1] for p in parts)
-            parts = [_pad_to(p, width, left=key in PROMPT_KEYS, value=_pad_value(key, pad_token_id)) for p in parts]
+            parts = [_pad_to(p, width, left=_is_prompt_key(key), value=_pad_value(key, pad_token_id)) for p in parts]
         result[key] = torch.cat(parts, dim=0)
     return result
+
+
+def _with_every_packed_key(rollouts: list[dict]) -> list[dict]:
+    """The rollouts, each given the packed image entries that only others have (rows without images)."""
+    templates = {}
+    for r in rollouts:
+        templates.update({k: v for k, v in r.items() if k.startswith(PACKED) and k not in templates})
+    if all(k in r for r in rollouts for k in templates):
+        return rollouts
+    return [{**r, **{k: _empty_rows_like(k, t, r) for k, t in templates.items() if k not in r}} for r in rollouts]
 
 
 def _round_up(n: int, multiple: int | None, limit: int) -> int:
@@ -547,9 +748,9 @@ def trim_padding(out: dict, pad_to_multiple_of: int | None = None) -> dict:
     p_used = _round_up(p_mask.shape[1] - int(cols.min().item()) if cols.numel() else 1, pad_to_multiple_of,
                        p_mask.shape[1])
     for key, value in out.items():
-        if value.dim() >= 2 and key in COMPLETION_KEYS and value.shape[1] == c_mask.shape[1]:
+        if value.dim() >= 2 and _is_completion_key(key) and value.shape[1] == c_mask.shape[1]:
             out[key] = value[:, :t_used]
-        elif value.dim() >= 2 and key in PROMPT_KEYS:
+        elif value.dim() >= 2 and _is_prompt_key(key):
             out[key] = value[:, value.shape[1] - p_used :]
     return out
 
@@ -576,7 +777,8 @@ def redistribute_rows(
     rank; `local` holds this process's rows of the batch, in that order (per-row tensors of its own widths). Process
     r ends with rows [r * K / W, (r + 1) * K / W), with the padding columns no local row uses trimmed (widths kept a
     multiple of `pad_to_multiple_of` when given, as TRL pads) and `num_items_in_batch` set to the loss tokens of all K
-    rows (TRL's "dapo" loss divides by it). No process ever holds the global batch: one all-to-all per key moves each
+    rows (TRL's "dapo" loss divides by it). Image inputs come packed per row (`row_entries`) and leave in TRL's layout
+    (`unpack_multimodal`). No process ever holds the global batch: one all-to-all per key moves each
     row straight to its destination (widths are first padded to the widest across processes, one small gather).
 
     Args:
@@ -591,12 +793,14 @@ def redistribute_rows(
         raise ValueError(f"cannot split {total} kept rows evenly over {world} processes")
     share = total // world
     num_local = int((sources == rank).sum())
+    if world > 1:  # a process whose rows have no image input still moves (empty) entries of it: same keys everywhere
+        local = _with_agreed_packed_keys(accelerator, local)
     keys = _row_keys(local, num_local)
     if any(local[k].shape[0] != num_local for k in keys) or "completion_mask" not in keys:
         raise ValueError(f"process {rank} holds {num_local} rows of the batch but its rollout does not")
     local_tokens = loss_mask(local).sum()
     if world == 1:
-        out = trim_padding({k: local[k] for k in keys}, pad_to_multiple_of)
+        out = unpack_multimodal(trim_padding({k: local[k] for k in keys}, pad_to_multiple_of))
         out["num_items_in_batch"] = local_tokens
         return out
 
@@ -617,6 +821,30 @@ def redistribute_rows(
         placed = torch.empty_like(received)
         placed[order] = received
         out[key] = placed
-    out = trim_padding(out, pad_to_multiple_of)
+    out = unpack_multimodal(trim_padding(out, pad_to_multiple_of))
     out["num_items_in_batch"] = accelerator.reduce(local_tokens, reduction="sum")
     return out
+
+
+def _gather_objects(accelerator, obj) -> list:
+    """Every process's `obj`, in process order (accelerate's `gather_object`; replaced in tests)."""
+    from accelerate.utils import gather_object
+
+    return gather_object([obj])
+
+
+def _with_agreed_packed_keys(accelerator, rows: dict) -> dict:
+    """`rows` with the packed image entries any process holds (empty: no image) so that every process moves the same
+    keys (a collective on keys some process lacks hangs). Only the (trailing shape, dtype) of each entry travels."""
+    spec = {k: (tuple(v.shape[2:]), v.dim(), str(v.dtype).removeprefix("torch."))
+            for k, v in rows.items() if k.startswith(PACKED)}
+    union = {}
+    for other in _gather_objects(accelerator, spec):
+        union.update({k: s for k, s in other.items() if k not in union})
+    missing = {k: s for k, s in union.items() if k not in rows}
+    if not missing:
+        return rows
+    device = rows["completion_mask"].device
+    templates = {k: torch.zeros((1, 1, *tail) if dim >= 2 else (1,), dtype=getattr(torch, dtype), device=device)
+                 for k, (tail, dim, dtype) in missing.items()}
+    return {**rows, **{k: _empty_rows_like(k, t, rows) for k, t in templates.items()}}

@@ -23,6 +23,10 @@ import re
 from pathlib import Path
 
 VLM_FAMILIES = ("gemma3", "qwen2_vl", "qwen2_5_vl")
+#: further families `build_tiny_vlm` builds (TRL's suite tests them; not in `VLM_FAMILIES`, which every trainer's tests
+#: cover): LLaVA-NeXT (CLIP tower, Mistral text model, any-resolution tiles), Qwen3.5 and Qwen3.5-MoE (linear
+#: attention; image-only `Qwen3VLProcessor`)
+EXTRA_FAMILIES = ("llava_next", "qwen3_5", "qwen3_5_moe")
 
 #: image side in pixels, and the vision towers' patch side: (32 / 8)^2 = 16 patches an image
 IMAGE_SIZE = 32
@@ -44,6 +48,14 @@ def trl_chat_template(name: str) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"chat template {name!r}: the installed TRL has no {path.name}")
     return path.read_text(encoding="utf-8")
+
+
+def template_tokens(template: str) -> tuple[list[str], list[str]]:
+    """The tokens a chat template writes: (`<|...|>` tokens, special in the real tokenizers; other `<tag>` and
+    `</tag>` tokens such as `<think>` or `<tool_call>`, ordinary added tokens there), each in order of appearance."""
+    special = list(dict.fromkeys(re.findall(r"<\|[^|<>\s]+\|>", template)))
+    plain = list(dict.fromkeys(t for t in re.findall(r"</?[A-Za-z_][A-Za-z0-9_]*>", template) if t not in special))
+    return special, plain
 
 
 def byte_level_tokenizer(template: str, *, bos: str | None = None, eos: str, pad: str, special=(), plain=(),
@@ -102,9 +114,11 @@ def _register_processors() -> dict:
     from transformers import AutoProcessor, PretrainedConfig
     from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
     classes = {}
-    for name, base in (("ToyQwen2VLProcessor", Qwen2VLProcessor), ("ToyQwen2_5_VLProcessor", Qwen2_5_VLProcessor)):
+    for name, base in (("ToyQwen2VLProcessor", Qwen2VLProcessor), ("ToyQwen2_5_VLProcessor", Qwen2_5_VLProcessor),
+                       ("ToyQwen3VLProcessor", Qwen3VLProcessor)):
         cls = _qwen_image_only(base)
         cls.__name__ = cls.__qualname__ = name
         cls.__module__ = __name__
@@ -122,6 +136,7 @@ def _register_processors() -> dict:
 _PROCESSORS = _register_processors()
 ToyQwen2VLProcessor = _PROCESSORS["ToyQwen2VLProcessor"]
 ToyQwen2_5_VLProcessor = _PROCESSORS["ToyQwen2_5_VLProcessor"]
+ToyQwen3VLProcessor = _PROCESSORS["ToyQwen3VLProcessor"]
 
 
 def load_tiny_vlm_processor(path):
@@ -156,7 +171,7 @@ def init_tiny_weights(model, seed: int) -> None:
             nn.init.xavier_uniform_(param)
 
 
-def _gemma3(seed: int, dtype):
+def _gemma3(family: str):
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
@@ -181,49 +196,95 @@ def _gemma3(seed: int, dtype):
     return model, processor, [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")]
 
 
-def _qwen_vl(family: str, seed: int, dtype):
+# M-RoPE: a head's rotary frequency pairs split over (time, height, width) positions
+_MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+_QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32)
+_QWEN35_TEXT = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                    # a quarter of the head rotated, as the real model (0.25): 0.5 of 16 dims = 4 pairs
+                    rope_parameters={**_MROPE, "mrope_section": [2, 1, 1], "partial_rotary_factor": 0.5,
+                                     "mrope_interleaved": True})
+#: family -> (chat template of trl/chat_templates, config class, model class, processor, vision and text settings)
+_QWEN = {
+    "qwen2_vl": ("qwen2_5_vl", "Qwen2VLConfig", "Qwen2VLForConditionalGeneration", "ToyQwen2VLProcessor",
+                 dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2), {"rope_parameters": _MROPE}),
+    # window attention over 2x2 merged patches in block 0, full attention in block 1 (as the real 7/15/23/31)
+    "qwen2_5_vl": ("qwen2_5_vl", "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "ToyQwen2_5_VLProcessor",
+                   dict(_QWEN_VISION, window_size=2 * PATCH_SIZE * 2, fullatt_block_indexes=[1]),
+                   {"rope_parameters": _MROPE}),
+    # a linear-attention (gated delta rule) layer and a full-attention layer; the tower's learned positions: a 4x4 grid
+    "qwen3_5": ("qwen3_5_nothink", "Qwen3_5Config", "Qwen3_5ForConditionalGeneration", "ToyQwen3VLProcessor",
+                dict(_QWEN_VISION, num_position_embeddings=16), _QWEN35_TEXT),
+    "qwen3_5_moe": ("qwen3_5_nothink", "Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration",
+                    "ToyQwen3VLProcessor", dict(_QWEN_VISION, num_position_embeddings=16),
+                    dict(_QWEN35_TEXT, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=32)),
+}
+
+
+def _qwen_vl(family: str):
     import transformers
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    template_name, config_cls, model_cls, processor_name, vision, text_extra = _QWEN[family]
+    template = trl_chat_template(template_name)
+    special, plain = template_tokens(template)
     named = {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "vision_start_token": "<|vision_start|>",
              "vision_end_token": "<|vision_end|>"}
-    tokenizer = byte_level_tokenizer(trl_chat_template("qwen2_5_vl"), eos="<|im_end|>", pad="<|endoftext|>",
-                                     special=["<|im_start|>", "<|im_end|>"], named=named)
+    tokenizer = byte_level_tokenizer(template, eos="<|im_end|>", pad="<|endoftext|>", special=special, plain=plain,
+                                     named=named)
     ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in named.items()}
     text = dict(vocab_size=len(tokenizer), **_TEXT, pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
-                # M-RoPE: the head's 8 rotary frequency pairs split over (time, height, width)
-                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    if family == "qwen2_vl":
-        config_cls, model_cls, processor_cls = "Qwen2VLConfig", "Qwen2VLForConditionalGeneration", ToyQwen2VLProcessor
-        vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2)
-    else:
-        config_cls, model_cls = "Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration"
-        processor_cls = ToyQwen2_5_VLProcessor
-        # window attention over 2x2 merged patches in block 0, full attention in block 1 (as the real 7/15/23/31)
-        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-                      window_size=2 * PATCH_SIZE * 2, fullatt_block_indexes=[1])
-    vision.update(patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2)
+                eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **text_extra)
+    vision = dict(vision, patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2)
     config = getattr(transformers, config_cls)(
         text_config=text, vision_config=vision, image_token_id=ids["image_token"], video_token_id=ids["video_token"],
         vision_start_token_id=ids["vision_start_token"], vision_end_token_id=ids["vision_end_token"])
     pixels = IMAGE_SIZE * IMAGE_SIZE  # every image resized to about 32x32: 16 patches, 4 tokens after the 2x2 merge
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels},
                                                patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2)
-    processor = processor_cls(image_processor=image_processor, tokenizer=tokenizer,
-                              chat_template=tokenizer.chat_template)
+    processor = _PROCESSORS[processor_name](image_processor=image_processor, tokenizer=tokenizer,
+                                            chat_template=tokenizer.chat_template)
     model = getattr(transformers, model_cls)(config)
     return model, processor, [tokenizer.eos_token_id]
 
 
+def _llava_next(family: str):
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextProcessor
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tokenizer = byte_level_tokenizer(trl_chat_template("llava_next"), bos="<s>", eos="</s>", pad="<pad>",
+                                     special=["<image>"], named={"image_token": "<image>"})
+    # any-resolution: a 32x32 base view plus the tiles of the best of these grids (a 32-64 pixel image: 1 or 2 tiles)
+    grids = [[IMAGE_SIZE, IMAGE_SIZE], [IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE]]
+    config = LlavaNextConfig(
+        text_config=dict(model_type="mistral", vocab_size=len(tokenizer), **_TEXT, sliding_window=None,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), image_grid_pinpoints=grids,
+        image_seq_length=(IMAGE_SIZE // PATCH_SIZE) ** 2)
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": IMAGE_SIZE},
+                                                 crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                                 image_grid_pinpoints=grids)
+    # the CLIP tower's class token is counted, then dropped by the "default" feature selection
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+                                   vision_feature_select_strategy="default", chat_template=tokenizer.chat_template,
+                                   num_additional_image_tokens=1)
+    return LlavaNextForConditionalGeneration(config), processor, [tokenizer.eos_token_id]
+
+
 def build_tiny_vlm(family: str, seed: int = 0, dtype: str = "float32"):
-    """(model, processor) of `family` (one of `VLM_FAMILIES`), random weights from `seed`, in `dtype`."""
+    """(model, processor) of `family` (one of `VLM_FAMILIES` or `EXTRA_FAMILIES`), random weights from `seed`, in
+    `dtype`."""
     import torch
     from transformers import GenerationConfig
 
-    if family not in VLM_FAMILIES:
-        raise ValueError(f"family: expected one of {VLM_FAMILIES}, got {family!r}")
-    model, processor, eos = _gemma3(seed, dtype) if family == "gemma3" else _qwen_vl(family, seed, dtype)
+    builders = {"gemma3": _gemma3, "llava_next": _llava_next, **dict.fromkeys(_QWEN, _qwen_vl)}
+    if family not in builders:
+        raise ValueError(f"family: expected one of {VLM_FAMILIES + EXTRA_FAMILIES}, got {family!r}")
+    model, processor, eos = builders[family](family)
     init_tiny_weights(model, seed)
     tokenizer = processor.tokenizer
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
@@ -319,6 +380,6 @@ def vision_parameter_names(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if re.search(r"(^|\.)(visual|vision_tower)\.", n)]
 
 
-__all__ = ["VLM_FAMILIES", "make_tiny_vlm", "build_tiny_vlm", "load_tiny_vlm_processor", "color_images",
+__all__ = ["VLM_FAMILIES", "EXTRA_FAMILIES", "make_tiny_vlm", "build_tiny_vlm", "load_tiny_vlm_processor", "color_images",
            "toy_vlm_dataset", "color_reward", "byte_level_tokenizer", "trl_chat_template", "vision_parameter_names",
-           "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor"]
+           "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor", "ToyQwen3VLProcessor", "template_tokens"]

@@ -350,6 +350,28 @@ def accepts_trl_positional(init):
     return wrapper
 
 
+def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
+    """A state dict saved by `save_pretrained` (keys in the model's original format: transformers 5 reverts its
+    renamings on save) with the keys the model's `load_state_dict` expects. Only renamings are undone (a conversion
+    that merges or splits tensors is left to transformers); a state dict already in the model's keys is returned as
+    it is."""
+    from transformers import PreTrainedModel
+
+    own = model.state_dict().keys()
+    if not isinstance(model, PreTrainedModel) or set(state_dict) <= set(own):
+        return state_dict
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # each key carries its index through the reverse conversion: a pure renaming keeps it whole
+    markers = {key: torch.tensor([float(i)]) for i, key in enumerate(own)}
+    names = list(own)
+    saved = revert_weight_conversion(model, dict(markers))
+    if any(v.shape != (1,) for v in saved.values()):
+        return state_dict
+    renamed = {key: names[int(v.item())] for key, v in saved.items()}
+    return {renamed.get(key, key): value for key, value in state_dict.items()}
+
+
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -402,6 +424,9 @@ class VariantTrainer(GRPOTrainer):
         self.beta = 1.0 if self.needs_reference else 0.0
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
         self.relative_positions = generation.relative_positions(self.model)
+        #: whether the policy derives its positions from its image inputs (M-RoPE): a recording `generate` is then
+        #: given none (`generation.computes_own_positions`)
+        self.own_positions = generation.computes_own_positions(self.model)
         guards.check_model_limits(self)
 
     #: the config class this trainer takes (a subclass sets its own)
@@ -453,6 +478,19 @@ class VariantTrainer(GRPOTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             checkpointing.load_trainer_state(self, checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        # transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its
+        # key conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*") but `Trainer`
+        # loads them back raw, non-strict: a resumed VLM silently kept its initial weights. Renamed here first.
+        target = model if model is not None else self.model
+        load = target.load_state_dict
+        target.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
+            checkpoint_to_model_keys(target, state_dict), *a, **k)
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        finally:
+            del target.__dict__["load_state_dict"]
 
     def _get_train_sampler(self, dataset=None):
         # TRL's shuffle of epoch e depends on the passes already made: a resumed run would replay epoch 0's order
@@ -573,7 +611,7 @@ class VariantTrainer(GRPOTrainer):
         # KL see; without a recording the sampling stays exactly TRL's (`sampling_logps_source="forward"` keeps it
         # so with a KL too), which is why PEFT users who do not record keep TRL's fp32 decoding.
         autocast = self.accelerator.autocast() if record else contextlib.nullcontext()
-        column_positions = record and self.relative_positions
+        column_positions = record and self.relative_positions and not self.own_positions
         with autocast, generation.patched_generate(target, processors, temperature, column_positions) as calls:
             completion_ids, logprobs = super()._generate_single_turn(
                 prompt_ids, images, multimodal_fields, num_generations, has_tool_images
@@ -778,11 +816,12 @@ class VariantTrainer(GRPOTrainer):
                                     f"more forward pass of the policy instead (logged as {FORWARD_FALLBACK_METRIC})")
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with torch.no_grad():
+        with torch.no_grad():  # the image inputs too (TRL slices them per chunk of rows, as in its own forwards)
             old, _, _ = super()._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size if self.model.training
                 else self.args.per_device_eval_batch_size,
+                **selection.image_inputs(output),
             )
         return old
 
@@ -817,9 +856,6 @@ class VariantTrainer(GRPOTrainer):
         """
         if self.kl_in_reward_coef == 0.0:
             return None
-        for key in selection.UNSUPPORTED_KEYS:
-            if key in output:
-                raise NotImplementedError(f"KL in the reward does not support multimodal rollouts yet ('{key}')")
         old = self.sampling_logps(output)
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
         mask = selection.loss_mask(output)

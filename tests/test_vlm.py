@@ -1,0 +1,223 @@
+"""Vision-language models under the trainers of the package (issue 27): each trainer trains the offline tiny VLMs of
+`trl_ppo_variants.toy_vlm` (Gemma3, Qwen2-VL, Qwen2.5-VL) with images flowing through row selection (DAPO's rounds,
+SPEED, GRESO, TTRL's vote/train split) and the KL in the reward; with policy == reference the KL at step 0 is 0 (the
+recorded generation log-probs and the forward fallback alike); multi-image prompts; resume is exact with images.
+
+Runs in fp32 (`bf16=False`: TRL's default bf16 autocast on CPU rounds `generate`'s KV-cached calls differently from
+the forward's, up to 4e-3 per token on the tiny Qwen2-VL, which is not what these tests measure).
+"""
+
+import pytest
+import torch
+
+from trl_ppo_variants import selection
+from trl_ppo_variants.toy_vlm import VLM_FAMILIES, color_reward, make_tiny_vlm, toy_vlm_dataset, vision_parameter_names
+
+#: per-token bound on |recorded - forward| and on the step-0 KL in fp32 (measured 9.5e-7 on both families)
+FP32_BOUND = 1e-5
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    return {family: make_tiny_vlm(str(root / family), family, seed=0) for family in VLM_FAMILIES}
+
+
+def _first_letter(completion):
+    """TTRL's answer: the completion's first letter (a tiny random model's votes then differ within a group)."""
+    text = completion if isinstance(completion, str) else completion[0]["content"]
+    letters = [c for c in text.lower() if c.isalpha()]
+    return letters[0] if letters else None
+
+
+def _word_steps(completions, answer, **kwargs):
+    """Process GRPO's step rewards: each space-separated step scored by `color_reward`."""
+    out = []
+    for completion, truth in zip(completions, answer):
+        text = completion if isinstance(completion, str) else completion[0]["content"]
+        steps = text.split(" ") or [""]
+        out.append(color_reward(steps, answer=[truth] * len(steps)))
+    return out
+
+
+EASY_COLORS = ("red", "green", "blue", "yellow")
+
+
+def _half_easy(completions, answer, **kwargs):
+    """`color_reward`, but every completion about an image of half the colours gets 1.0: those groups have no
+    spread, so prompt selection drops them (and refills)."""
+    graded = color_reward(completions, answer=answer)
+    return [1.0 if truth in EASY_COLORS else r for r, truth in zip(graded, answer)]
+
+
+#: prompt selection needs groups to drop: two prompts a step
+TWO_GROUPS = {"per_device_train_batch_size": 8}
+# name -> (config, trainer, config overrides, trainer kwargs, reward)
+SPECS = {
+    "grpo": ("GRPOConfig", "GRPOTrainer", {}, {}, color_reward),
+    "process_grpo": ("ProcessGRPOConfig", "ProcessGRPOTrainer", {"step_separator": " "},
+                     {"step_reward_funcs": [_word_steps]}, color_reward),
+    "rloo_kl": ("RLOOConfig", "RLOOTrainer", {"beta": 0.1}, {}, color_reward),
+    "reinforce_pp": ("ReinforcePPConfig", "ReinforcePPTrainer", {"kl_in_reward_coef": 0.05}, {}, color_reward),
+    "reinforce_pp_baseline": ("ReinforcePPConfig", "ReinforcePPTrainer", {"baseline": True, "beta": 0.01}, {},
+                              color_reward),
+    "dapo": ("DAPOConfig", "DAPOTrainer", {"max_generation_rounds": 3, **TWO_GROUPS}, {}, _half_easy),
+    "speed": ("DAPOConfig", "DAPOTrainer", {"prompt_selection": "speed", "screening_num_generations": 2,
+                                            "max_generation_rounds": 4, **TWO_GROUPS}, {}, _half_easy),
+    "greso": ("RLOOConfig", "RLOOTrainer", {"prompt_selection": "greso", "max_generation_rounds": 3, "beta": 0.1,
+                                            **TWO_GROUPS}, {}, _half_easy),
+    "ttrl": ("TTRLConfig", "TTRLTrainer", {"n_votes": 4, "n_train": 2, "answer_extractor": _first_letter}, {}, None),
+}
+#: the quick suite trains every trainer on Qwen2-VL (M-RoPE, per-patch pixels) and Gemma3 (per-image pixels) with the
+#: specs that move rows; Qwen2.5-VL and the remaining pairs are slow
+QUICK = {("qwen2_vl", name) for name in SPECS} | {("gemma3", name) for name in ("dapo", "ttrl", "rloo_kl")}
+
+
+def _make(name, model_dir, tmp_path, dataset=None, callbacks=None, **overrides):
+    import trl_ppo_variants as V
+
+    config_name, trainer_name, spec, kwargs, reward = SPECS[name]
+    settings = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
+                    max_completion_length=8, max_steps=2, learning_rate=0.05, logging_steps=1, report_to=[],
+                    use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
+    settings.update(spec)
+    settings.update(overrides)
+    args = getattr(V, config_name)(**settings)
+    return getattr(V, trainer_name)(model_dir, reward, args=args, train_dataset=dataset or toy_vlm_dataset(16),
+                                    callbacks=callbacks, **kwargs)
+
+
+def _cases():
+    return [pytest.param(family, name, marks=() if (family, name) in QUICK else pytest.mark.slow)
+            for family in VLM_FAMILIES for name in SPECS]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,name", _cases())
+def test_every_trainer_trains_each_vlm_and_its_vision_tower(vlm_dirs, family, name, tmp_path):
+    trainer = _make(name, vlm_dirs[family], tmp_path)
+    vision = vision_parameter_names(trainer.model)
+    before = {n: trainer.model.get_parameter(n).detach().clone() for n in vision}
+    trainer.train()
+    assert trainer.state.global_step == 2
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert logs and all(torch.isfinite(torch.tensor(log["loss"])) for log in logs)
+    changed = [n for n in vision if not torch.equal(before[n], trainer.model.get_parameter(n))]
+    assert len(changed) == len(vision), sorted(set(vision) - set(changed))
+    metrics = {k for log in trainer.state.log_history for k in log}
+    if name in ("dapo", "speed", "greso"):  # groups were dropped (the easy colours') and the batch refilled
+        prefix = "dapo" if name != "greso" else "selection"
+        dropped = [log[f"{prefix}/frac_dropped_all_correct"] for log in trainer.state.log_history
+                   if f"{prefix}/frac_dropped_all_correct" in log]
+        assert dropped and max(dropped) > 0, sorted(k for k in metrics if "/" in k)
+    if name in ("rloo_kl", "reinforce_pp"):
+        assert "kl_in_reward" in metrics
+
+
+def _rollout(trainer, family_rows=2):
+    """One generation batch of the (untrained) trainer: TRL's rollout dict, before advantages."""
+    trainer.model.train()
+    inputs = [trainer.train_dataset[i] for i in range(family_rows) for _ in range(trainer.num_generations)]
+    captured = {}
+    reference_kl = trainer.reference_kl
+
+    def spy(output):
+        captured["output"] = dict(output)
+        captured["kl"] = reference_kl(output)
+        return captured["kl"]
+
+    trainer.reference_kl = spy
+    trainer._generate_and_score_completions(inputs)
+    return captured["output"], captured["kl"]
+
+
+def _forward_logps(trainer, output):
+    from trl import GRPOTrainer
+
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    with torch.no_grad():
+        logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, output["completion_ids"].shape[1], **selection.image_inputs(output))
+    return logps
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("source", ["generate", "forward"])
+@pytest.mark.parametrize("family", VLM_FAMILIES)
+def test_kl_at_step_zero_is_zero_with_images(vlm_dirs, family, source, tmp_path):
+    """Policy == reference: the KL in the reward is 0 per token (fp32 bound), from the log-probs recorded during
+    `generate` (Qwen's M-RoPE positions kept: arange positions made it 0.78 per token) and from the forward fallback
+    (with the images: without them 0.013 on Qwen2-VL, 0.14 on Gemma3); the recorded log-probs are the forward's."""
+    trainer = _make("rloo_kl", vlm_dirs[family], tmp_path, sampling_logps_source=source)
+    output, kl = _rollout(trainer)
+    assert output.get("pixel_values") is not None  # the rollout had images
+    mask = output["completion_mask"].bool()
+    assert kl[mask].abs().max().item() < FP32_BOUND
+    if source == "generate":
+        assert trainer._metrics["train"]["sampling_logps/forward_fallback"] == [0.0]  # the recording was used
+        recorded = output["sampling_per_token_logps"]
+        assert (recorded - _forward_logps(trainer, output))[mask].abs().max().item() < FP32_BOUND
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,name", [("gemma3", "dapo"), ("qwen2_5_vl", "ttrl"),
+                                         pytest.param("qwen2_5_vl", "rloo_kl", marks=pytest.mark.slow),
+                                         pytest.param("gemma3", "reinforce_pp", marks=pytest.mark.slow)])
+def test_multi_image_prompts(vlm_dirs, family, name, tmp_path):
+    trainer = _make(name, vlm_dirs[family], tmp_path, dataset=toy_vlm_dataset(16, images_per_prompt=2))
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,name", [("qwen2_vl", "dapo"), ("gemma3", "ttrl")])
+def test_resume_is_exact_with_images(vlm_dirs, family, name, tmp_path):
+    """tests/test_resume.py's protocol with images: 4 steps straight, or 3 steps, a checkpoint, and a fresh trainer
+    that resumes; the logs after step 3 and the final weights are equal."""
+    from reliability_helpers import StopAt, modules_state, step_logs
+
+    common = dict(max_steps=4, save_strategy="steps", save_steps=3)
+    full = _make(name, vlm_dirs[family], tmp_path / "full", **common)
+    full.train()
+    stopped = _make(name, vlm_dirs[family], tmp_path / "stopped", callbacks=[StopAt(3)], **common)
+    stopped.train()
+    resumed = _make(name, vlm_dirs[family], tmp_path / "stopped", **common)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    logs_a, logs_b = step_logs(full), step_logs(resumed)
+    assert logs_a.get(4) and logs_b.get(4) == logs_a[4]
+    wa, wb = modules_state(full), modules_state(resumed)
+    assert not [k for k in wa if not torch.equal(wa[k], wb[k])]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_vl"])
+def test_checkpoint_weights_load_back_under_the_models_names(vlm_dirs, family, tmp_path):
+    """transformers 5 saves a VLM's weights under its original names, which `Trainer`'s resume loaded raw (every key
+    missing, the initial weights kept); `checkpoint_to_model_keys` renames them back."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants.trainers.base import checkpoint_to_model_keys
+
+    model = AutoModelForImageTextToText.from_pretrained(vlm_dirs[family])
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    own = model.state_dict()
+    assert not set(saved) <= set(own)  # the saved names are not the model's
+    renamed = checkpoint_to_model_keys(model, saved)
+    assert set(renamed) <= set(own) and len(renamed) == len(saved)
+    assert all(torch.equal(renamed[k], own[k]) for k in renamed)
+    assert checkpoint_to_model_keys(model, renamed) is renamed  # already the model's names: unchanged
+
+
+def test_models_that_place_their_own_positions_are_told_apart(vlm_dirs):
+    """Qwen's M-RoPE derives positions from the images (a recording `generate` gets none); Gemma3 counts them."""
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants import generation
+
+    own = {family: generation.computes_own_positions(AutoModelForImageTextToText.from_pretrained(path))
+           for family, path in vlm_dirs.items()}
+    assert own == {"gemma3": False, "qwen2_vl": True, "qwen2_5_vl": True}
