@@ -32,9 +32,6 @@ def _args(config_cls, tmp_path, **overrides):
     kwargs = dict(per_device_train_batch_size=4, num_generations=G, max_completion_length=4, learning_rate=1e-2)
     if config_cls is VAPOConfig:
         kwargs["value_pretrain_steps"] = 0
-    if config_cls in (PPOConfig, VAPOConfig):
-        # the KL in the reward's forward with images is base.py's (issue 27, another part): off here
-        kwargs["kl_in_reward_coef"] = 0.0
     kwargs.update(overrides)
     return toy_args(config_cls, tmp_path, **kwargs)
 
@@ -66,8 +63,8 @@ def _same_text_two_images(processor, colors=("red", "blue")):
 #: critic -> (config overrides, whether the policy is PEFT, the expected `critic_base`)
 CRITICS = {
     "full": ({"critic_backbone": "full"}, False, "own"),
-    "lora_copy": ({}, False, "copy"),
-    "lora_reference": ({"beta": 0.01}, False, "reference"),  # TRL's KL loss term loads the reference model
+    "lora_copy": ({"kl_in_reward_coef": 0.0}, False, "copy"),  # no KL: no reference model to share
+    "lora_reference": ({}, False, "reference"),  # PPO's default KL in the reward loads the reference model
     "lora_policy_adapter": ({}, True, "policy_adapter"),
 }
 
@@ -208,7 +205,7 @@ def test_remax_vllm_greedy_request_carries_the_greedy_prompts_images(vlm_dirs, t
 # ------------------------------------------------------------------------------------------------ training
 TRAINERS = {
     "remax": (ReMaxTrainer, ReMaxConfig, {}),
-    "ppo_lora": (PPOTrainer, PPOConfig, {}),
+    "ppo_lora": (PPOTrainer, PPOConfig, {}),  # PPO's defaults: KL in the reward, LoRA critic over the reference
     "ppo_full": (PPOTrainer, PPOConfig, {"critic_backbone": "full"}),
     "vapo": (VAPOTrainer, VAPOConfig, {}),
 }
