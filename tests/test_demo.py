@@ -80,6 +80,21 @@ def test_demo_whole_path_on_the_tiny_model(tmp_path, capsys, toy_model_dir):
     assert f"{results['before']:.3f}" == before.pop()
     assert (out / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (out / "rloo" / "model.safetensors").exists()  # models are saved only with --save_models
+    assert "demo: generation engine: transformers generate" in captured.out  # says which engine it used
+    assert results["generation_engine"] == "transformers generate"
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_demo_generates_with_transformers_on_cpu_whether_vllm_is_installed_or_not(monkeypatch, installed):
+    """vLLM colocate is slower than `generate` on CPU (bench/vllm_speed.py), and the demo trains on the CPU."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if installed else None) if name == "vllm" else real(name, *a))
+    engine, why = demo.generation_engine()
+    assert engine == "transformers generate"
+    assert ("installed, but" in why) == installed and "vLLM" in why
 
 
 @pytest.mark.slow

@@ -180,8 +180,21 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dic
             "temperature": args.temperature}
 
 
+def generation_engine() -> tuple[str, str]:
+    """The engine the demo generates with, and why. The demo trains on the CPU, where vLLM's CPU build does not shorten
+    a step: measured on SmolLM2 at the demo's size, HF `generate` 67-84 s a step against vLLM colocate 79-95 s (its
+    importance-sampling forward and the weight sync cost more than the faster generation saves;
+    `bench/vllm_speed.py`, `bench/results/vllm_speed.md`). So `generate`, whether vLLM is installed or not."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "transformers generate", "vLLM is not installed (and is slower than generate on CPU)"
+    return "transformers generate", "vLLM is installed, but its CPU colocate steps are slower (bench/vllm_speed.py)"
+
+
 def write_results(opts, model_dir: str, before: float, rows: list[dict], seconds: float) -> None:
     results = {"before": before, "rows": rows, "steps": opts.steps, "seed": opts.seed, "model": model_dir,
+               "generation_engine": generation_engine()[0],
                "eval_prompts": opts.eval_prompts, "eval_samples": opts.eval_samples, "seconds": seconds,
                "common": {k: v for k, v in COMMON.items() if isinstance(v, (int, float, str))}}
     with open(os.path.join(opts.output_dir, "results.json"), "w") as f:
@@ -327,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(group of {args0.num_generations}), {args0.max_completion_length} new tokens, temperature "
           f"{args0.temperature}, lr {args0.learning_rate:g}; held-out accuracy: {opts.eval_prompts} questions x "
           f"{opts.eval_samples} samples", flush=True)
+    print("demo: generation engine: {}: {}".format(*generation_engine()), flush=True)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     start = time.perf_counter()
