@@ -238,8 +238,12 @@ def test_trains_two_steps_on_each_vlm(vlm_dirs, family, name, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
 @pytest.mark.parametrize("backbone", ["full", "lora"])
 def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
-    """A VLM critic saved in a checkpoint's `value_model/` is read back by a fresh trainer (what resume does) with the
-    same weights and the same values on image rows, and loads on its own (`load_value_model`)."""
+    """A VLM checkpoint is read back as the best model (`load_best_model_at_end`) by a fresh trainer: the policy's
+    weights (saved under the VLM's original key names, which transformers' `_load_best_model` loaded raw: every
+    weight missing) and the critic in `value_model/`, with the same values on image rows; the critic also loads on
+    its own (`load_value_model`)."""
+    from reliability_helpers import modules_state
+
     from trl_ppo_variants.critic import VALUE_MODEL_DIR, load_value_model
 
     def make(out):
@@ -252,13 +256,16 @@ def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
     ids, mask, fields, width = _same_text_two_images(trained.processing_class)
     with torch.no_grad():
         before = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
-        fresh._load_checkpoint_critic(str(tmp_path / "a" / "checkpoint-2"))
+        fresh.state.best_model_checkpoint = str(tmp_path / "a" / "checkpoint-2")
+        fresh._load_best_model()
         expected = critic_values(trained.critic, ids, mask, width, image_fields=fields)
         loaded = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
     assert not torch.equal(before, expected)  # training changed the critic
     assert torch.equal(loaded, expected)
-    saved, read = trained.critic.state_dict(), fresh.critic.state_dict()
-    assert all(torch.equal(saved[k], read[k]) for k in saved)
+    saved, read = modules_state(trained), modules_state(fresh)
+    assert saved.keys() == read.keys()
+    different = [k for k in saved if not torch.equal(saved[k], read[k])]
+    assert not different, f"{len(different)} weights differ from the checkpoint's: {different[:3]}"
     alone = load_value_model(str(tmp_path / "a" / "checkpoint-2" / VALUE_MODEL_DIR))
     with torch.no_grad():
         torch.testing.assert_close(critic_values(alone, ids, mask, width, image_fields=fields), expected)
@@ -274,3 +281,47 @@ def test_a_backbone_without_image_inputs_is_refused(toy_model_dir):
     ids = torch.tensor([[3, 4, 5]])
     with pytest.raises(NotImplementedError, match=r"critic: .*Model.forward takes no pixel_values"):
         critic_values(critic, ids, torch.ones_like(ids), 1, image_fields={"pixel_values": torch.zeros(1, 3)})
+
+
+# ------------------------------------------------------------------------------------------------ resume
+#: quick: each family and each trainer once (7-12 s a case); the other pairs are slow
+QUICK_RESUME = {("gemma3", "ppo_lora"), ("qwen2_vl", "ppo_full"), ("qwen2_vl", "remax")}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,name", [
+    pytest.param(family, name, marks=() if (family, name) in QUICK_RESUME else pytest.mark.slow)
+    for family in ("qwen2_vl", "gemma3") for name in ("ppo_lora", "ppo_full", "remax")])
+def test_resume_is_exact_with_images(vlm_dirs, family, name, tmp_path):
+    """tests/test_resume.py's protocol with images: 4 steps straight, or 3 steps, a checkpoint (the policy's weights,
+    the critic in `value_model/`), and a fresh trainer that resumes; the logs after step 3 and the final policy and
+    critic weights are equal."""
+    import transformers
+    from reliability_helpers import StopAt, modules_state, step_logs
+    from transformers.testing_utils import CaptureLogger
+
+    trainer_cls, config_cls, overrides = TRAINERS[name]
+
+    def make(out, callbacks=None):
+        trainer = _trainer(trainer_cls, config_cls, vlm_dirs[family], tmp_path, output_dir=str(tmp_path / out),
+                           max_steps=4, save_strategy="steps", save_steps=3, **overrides)
+        for callback in callbacks or ():
+            trainer.add_callback(callback)
+        return trainer
+
+    full = make("full")
+    full.train()
+    stopped = make("stopped", [StopAt(3)])
+    stopped.train()
+    assert stopped.state.global_step == 3
+    resumed = make("stopped")
+    with CaptureLogger(transformers.trainer.logger) as log:
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    assert "missing keys" not in log.out  # nor Gemma3's tied lm_head, which no checkpoint holds
+    logs_a, logs_b = step_logs(full), step_logs(resumed)
+    assert logs_a.get(4) and logs_b.get(4) == logs_a[4]
+    wa, wb = modules_state(full), modules_state(resumed)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} weights differ after resume: {different[:5]}"
