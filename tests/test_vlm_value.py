@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import toy_args
 
-from trl_ppo_variants.critic import critic_values, image_inputs, image_rows
+from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.selection import image_inputs, image_rows
 from trl_ppo_variants.toy_vlm import (
     VLM_FAMILIES,
     color_reward,
@@ -92,7 +93,7 @@ def test_critic_values_depend_on_the_image(vlm_dirs, family, kind, tmp_path):
         chunked = critic_values(critic, ids, mask, width, batch_size=1, image_fields=fields)
     assert (seen[0] - seen[1]).abs().max() > 1e-4
     torch.testing.assert_close(blind[0], blind[1], rtol=0, atol=1e-5)  # the same up to batched rounding
-    # chunks of one row get their own row's images (the slicing of `image_rows`)
+    # chunks of one row get their own row's images (`selection.pack_multimodal`, then `take_rows`)
     torch.testing.assert_close(chunked, seen, rtol=1e-4, atol=1e-5)
 
 
@@ -106,15 +107,18 @@ def test_image_rows_pick_each_rows_own_images():
     assert picked["pixel_values"].squeeze(1).tolist() == list(range(4, 16)) + list(range(4)) + list(range(4, 16))
     assert picked["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4], [1, 2, 2], [1, 2, 2], [1, 2, 4]]
     assert picked["num_images"] == [2, 1, 2] and picked["mm_token_type_ids"].tolist() == [[1], [1], [1]]
-    assert set(image_rows(fields, [1], 3)) == {"num_images", "mm_token_type_ids"}  # no image: no image tensors
+    assert image_rows(fields, [1, 1], 3) == {}  # no image: no image input, as TRL gives a text-only batch
     flat = {"pixel_values": torch.tensor([10.0, 20.0, 30.0]), "image_sizes": torch.tensor([[1, 1], [2, 2], [3, 3]]),
             "num_images": [2, 1], "token_type_ids": [[0, 1], [1, 0]]}
     picked = image_rows(flat, [1, 0], 2)
     assert picked["pixel_values"].tolist() == [30.0, 10.0, 20.0]
     assert picked["image_sizes"].tolist() == [[3, 3], [1, 1], [2, 2]]
     assert picked["token_type_ids"] == [[1, 0], [0, 1]]
-    with pytest.raises(ValueError, match="pixel_values: expected one entry per row"):
+    with pytest.raises(NotImplementedError, match="'pixel_values'"):  # neither per image nor per row
         image_rows({"pixel_values": torch.zeros(5)}, [0], 2)
+    with pytest.raises(NotImplementedError, match="'token_type_ids' has 3 rows, expected 2"):
+        image_rows({"pixel_values": torch.zeros(2, 1), "num_images": [1, 1], "token_type_ids": [[0], [1], [0]]},
+                   [0], 2)
 
 
 # ------------------------------------------------------------------------------------------------ ReMax
