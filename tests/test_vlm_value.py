@@ -7,7 +7,7 @@ import torch
 from conftest import toy_args
 
 from trl_ppo_variants.critic import critic_values
-from trl_ppo_variants.selection import image_inputs, image_rows
+from trl_ppo_variants.selection import image_inputs, image_rows, take_rows
 from trl_ppo_variants.toy_vlm import (
     VLM_FAMILIES,
     color_reward,
@@ -119,6 +119,8 @@ def test_image_rows_pick_each_rows_own_images():
     with pytest.raises(NotImplementedError, match="'token_type_ids' has 3 rows, expected 2"):
         image_rows({"pixel_values": torch.zeros(2, 1), "num_images": [1, 1], "token_type_ids": [[0], [1], [0]]},
                    [0], 2)
+    with pytest.raises(ValueError, match=r"^mm:x: expected one entry per row \(2\), got Tensor \(\(3,\)\)$"):
+        take_rows({"mm:x": torch.zeros(3)}, [0], 2)
 
 
 # ------------------------------------------------------------------------------------------------ ReMax
