@@ -6,7 +6,8 @@ import pytest
 import torch
 from conftest import toy_args
 
-from trl_ppo_variants.critic import critic_values, image_inputs, image_rows
+from trl_ppo_variants.critic import critic_values
+from trl_ppo_variants.selection import image_inputs, image_rows, take_rows
 from trl_ppo_variants.toy_vlm import (
     VLM_FAMILIES,
     color_reward,
@@ -92,7 +93,7 @@ def test_critic_values_depend_on_the_image(vlm_dirs, family, kind, tmp_path):
         chunked = critic_values(critic, ids, mask, width, batch_size=1, image_fields=fields)
     assert (seen[0] - seen[1]).abs().max() > 1e-4
     torch.testing.assert_close(blind[0], blind[1], rtol=0, atol=1e-5)  # the same up to batched rounding
-    # chunks of one row get their own row's images (the slicing of `image_rows`)
+    # chunks of one row get their own row's images (`selection.pack_multimodal`, then `take_rows`)
     torch.testing.assert_close(chunked, seen, rtol=1e-4, atol=1e-5)
 
 
@@ -106,15 +107,20 @@ def test_image_rows_pick_each_rows_own_images():
     assert picked["pixel_values"].squeeze(1).tolist() == list(range(4, 16)) + list(range(4)) + list(range(4, 16))
     assert picked["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 4], [1, 2, 2], [1, 2, 2], [1, 2, 4]]
     assert picked["num_images"] == [2, 1, 2] and picked["mm_token_type_ids"].tolist() == [[1], [1], [1]]
-    assert set(image_rows(fields, [1], 3)) == {"num_images", "mm_token_type_ids"}  # no image: no image tensors
+    assert image_rows(fields, [1, 1], 3) == {}  # no image: no image input, as TRL gives a text-only batch
     flat = {"pixel_values": torch.tensor([10.0, 20.0, 30.0]), "image_sizes": torch.tensor([[1, 1], [2, 2], [3, 3]]),
             "num_images": [2, 1], "token_type_ids": [[0, 1], [1, 0]]}
     picked = image_rows(flat, [1, 0], 2)
     assert picked["pixel_values"].tolist() == [30.0, 10.0, 20.0]
     assert picked["image_sizes"].tolist() == [[3, 3], [1, 1], [2, 2]]
     assert picked["token_type_ids"] == [[1, 0], [0, 1]]
-    with pytest.raises(ValueError, match="pixel_values: expected one entry per row"):
+    with pytest.raises(NotImplementedError, match="'pixel_values'"):  # neither per image nor per row
         image_rows({"pixel_values": torch.zeros(5)}, [0], 2)
+    with pytest.raises(NotImplementedError, match="'token_type_ids' has 3 rows, expected 2"):
+        image_rows({"pixel_values": torch.zeros(2, 1), "num_images": [1, 1], "token_type_ids": [[0], [1], [0]]},
+                   [0], 2)
+    with pytest.raises(ValueError, match=r"^mm:x: expected one entry per row \(2\), got Tensor \(\(3,\)\)$"):
+        take_rows({"mm:x": torch.zeros(3)}, [0], 2)
 
 
 # ------------------------------------------------------------------------------------------------ ReMax
@@ -238,8 +244,12 @@ def test_trains_two_steps_on_each_vlm(vlm_dirs, family, name, tmp_path):
 @pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
 @pytest.mark.parametrize("backbone", ["full", "lora"])
 def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
-    """A VLM critic saved in a checkpoint's `value_model/` is read back by a fresh trainer (what resume does) with the
-    same weights and the same values on image rows, and loads on its own (`load_value_model`)."""
+    """A VLM checkpoint is read back as the best model (`load_best_model_at_end`) by a fresh trainer: the policy's
+    weights (saved under the VLM's original key names, which transformers' `_load_best_model` loaded raw: every
+    weight missing) and the critic in `value_model/`, with the same values on image rows; the critic also loads on
+    its own (`load_value_model`)."""
+    from reliability_helpers import modules_state
+
     from trl_ppo_variants.critic import VALUE_MODEL_DIR, load_value_model
 
     def make(out):
@@ -252,13 +262,16 @@ def test_vlm_critic_checkpoint_round_trip(vlm_dirs, family, backbone, tmp_path):
     ids, mask, fields, width = _same_text_two_images(trained.processing_class)
     with torch.no_grad():
         before = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
-        fresh._load_checkpoint_critic(str(tmp_path / "a" / "checkpoint-2"))
+        fresh.state.best_model_checkpoint = str(tmp_path / "a" / "checkpoint-2")
+        fresh._load_best_model()
         expected = critic_values(trained.critic, ids, mask, width, image_fields=fields)
         loaded = critic_values(fresh.critic, ids, mask, width, image_fields=fields)
     assert not torch.equal(before, expected)  # training changed the critic
     assert torch.equal(loaded, expected)
-    saved, read = trained.critic.state_dict(), fresh.critic.state_dict()
-    assert all(torch.equal(saved[k], read[k]) for k in saved)
+    saved, read = modules_state(trained), modules_state(fresh)
+    assert saved.keys() == read.keys()
+    different = [k for k in saved if not torch.equal(saved[k], read[k])]
+    assert not different, f"{len(different)} weights differ from the checkpoint's: {different[:3]}"
     alone = load_value_model(str(tmp_path / "a" / "checkpoint-2" / VALUE_MODEL_DIR))
     with torch.no_grad():
         torch.testing.assert_close(critic_values(alone, ids, mask, width, image_fields=fields), expected)
@@ -274,3 +287,47 @@ def test_a_backbone_without_image_inputs_is_refused(toy_model_dir):
     ids = torch.tensor([[3, 4, 5]])
     with pytest.raises(NotImplementedError, match=r"critic: .*Model.forward takes no pixel_values"):
         critic_values(critic, ids, torch.ones_like(ids), 1, image_fields={"pixel_values": torch.zeros(1, 3)})
+
+
+# ------------------------------------------------------------------------------------------------ resume
+#: quick: each family and each trainer once (7-12 s a case); the other pairs are slow
+QUICK_RESUME = {("gemma3", "ppo_lora"), ("qwen2_vl", "ppo_full"), ("qwen2_vl", "remax")}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family,name", [
+    pytest.param(family, name, marks=() if (family, name) in QUICK_RESUME else pytest.mark.slow)
+    for family in ("qwen2_vl", "gemma3") for name in ("ppo_lora", "ppo_full", "remax")])
+def test_resume_is_exact_with_images(vlm_dirs, family, name, tmp_path):
+    """tests/test_resume.py's protocol with images: 4 steps straight, or 3 steps, a checkpoint (the policy's weights,
+    the critic in `value_model/`), and a fresh trainer that resumes; the logs after step 3 and the final policy and
+    critic weights are equal."""
+    import transformers
+    from reliability_helpers import StopAt, modules_state, step_logs
+    from transformers.testing_utils import CaptureLogger
+
+    trainer_cls, config_cls, overrides = TRAINERS[name]
+
+    def make(out, callbacks=None):
+        trainer = _trainer(trainer_cls, config_cls, vlm_dirs[family], tmp_path, output_dir=str(tmp_path / out),
+                           max_steps=4, save_strategy="steps", save_steps=3, **overrides)
+        for callback in callbacks or ():
+            trainer.add_callback(callback)
+        return trainer
+
+    full = make("full")
+    full.train()
+    stopped = make("stopped", [StopAt(3)])
+    stopped.train()
+    assert stopped.state.global_step == 3
+    resumed = make("stopped")
+    with CaptureLogger(transformers.trainer.logger) as log:
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 4
+    assert "missing keys" not in log.out  # nor Gemma3's tied lm_head, which no checkpoint holds
+    logs_a, logs_b = step_logs(full), step_logs(resumed)
+    assert logs_a.get(4) and logs_b.get(4) == logs_a[4]
+    wa, wb = modules_state(full), modules_state(resumed)
+    assert wa.keys() == wb.keys()
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} weights differ after resume: {different[:5]}"

@@ -19,8 +19,9 @@ needed). Two backbones (`critic_backbone`):
 Vision-language models: the backbone is the VLM's base model (`Qwen2VLModel`, `Gemma3Model`, ...: vision tower,
 projector and language model), the head reads the language model's hidden states (`text_config.hidden_size`), and
 `critic_values` passes the batch's image inputs (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...; each chunk
-its own rows', `image_rows`) so that the critic sees what the policy sees: a full critic trains its own vision tower,
-a LoRA critic adapts the frozen one (its adapter covers the vision tower's linear layers too).
+its own rows', split per row by `selection.pack_multimodal`, the one mechanism row selection and ReMax use too) so
+that the critic sees what the policy sees: a full critic trains its own vision tower, a LoRA critic adapts the frozen
+one (its adapter covers the vision tower's linear layers too).
 
 The critic is attached to the policy as a submodule (`policy.critic`; PEFT: of its base model), so the trainer prepares
 ONE model: DDP and DeepSpeed ZeRO-2/3 see every trained parameter in one engine and one optimizer (a second, separately
@@ -55,6 +56,8 @@ import re
 import torch
 from torch import nn
 
+from . import selection
+
 __all__ = [
     "CRITIC_ATTR",
     "CRITIC_ADAPTER",
@@ -70,9 +73,6 @@ __all__ = [
     "get_critic",
     "critic_parameters",
     "critic_values",
-    "IMAGE_INPUT_KEYS",
-    "image_inputs",
-    "image_rows",
     "is_critic_key",
     "holds_critic_weights",
     "split_critic_state_dict",
@@ -805,62 +805,6 @@ def critic_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
     return [p for n, p in model.named_parameters() if is_critic_key(n) and p.requires_grad]
 
 
-#: inputs of a VLM's forward that TRL's batch carries besides the ids and the mask (the keyword arguments of
-#: `GRPOTrainer._get_per_token_logps_and_entropies` that reach the model)
-IMAGE_INPUT_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                    "token_type_ids", "mm_token_type_ids", "image_position_ids")
-#: per-row counts saying how the image tensors split into rows: bookkeeping, not model inputs
-IMAGE_COUNT_KEYS = ("num_images", "num_tiles")
-#: image inputs indexed by image (or tile), not by row: dropped for a set of rows without any image
-PER_IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                   "image_position_ids")
-
-
-def image_inputs(batch: dict) -> dict:
-    """The image inputs and their per-row counts present in a TRL batch (`{}` for a text model)."""
-    return {k: batch[k] for k in IMAGE_INPUT_KEYS + IMAGE_COUNT_KEYS if batch.get(k) is not None}
-
-
-def image_rows(fields: dict, rows, num_rows: int) -> dict:
-    """The image inputs of the rows `rows` (indices into a batch of `num_rows` rows, any order, repeats allowed).
-
-    Tensors indexed by image or tile (`pixel_values`, `image_grid_thw`, ...) are split per row with TRL's
-    `split_pixel_values_by_grid` (by `num_images` / `num_tiles`) and the chosen rows' pieces concatenated; per-row
-    fields (`token_type_ids`, a per-sample `pixel_attention_mask`, lists of token lists) are indexed. The counts
-    (`num_images`, `num_tiles`) follow the rows. A field that is neither raises a one-line error naming it.
-
-    Args:
-        fields: from `image_inputs` (a TRL batch) or the processor's `multimodal_fields` plus `num_images`.
-        rows: list of row indices.
-        num_rows: B, the batch's row count.
-    Returns:
-        the same keys for `len(rows)` rows (the per-image ones dropped when the chosen rows hold no image).
-    """
-    from trl.trainer.utils import split_pixel_values_by_grid
-
-    rows = list(rows)
-    split = split_pixel_values_by_grid(fields) if "num_images" in fields else dict(fields)
-    images_per_row = fields.get("num_images")
-    if isinstance(split.get("image_sizes"), torch.Tensor) and images_per_row is not None \
-            and split["image_sizes"].shape[0] != num_rows:  # one size per image, not split by TRL (Qwen layout)
-        split["image_sizes"] = list(torch.split(split["image_sizes"], list(images_per_row)))
-    out = {}
-    for key, value in split.items():
-        if isinstance(value, list) and len(value) == num_rows:
-            picked = [value[i] for i in rows]
-            per_row_tensors = isinstance(fields[key], torch.Tensor)  # split above: concatenate the rows' pieces
-            out[key] = torch.cat(picked) if per_row_tensors and picked else picked
-        elif isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_rows:
-            out[key] = value[torch.tensor(rows, dtype=torch.long, device=value.device)]
-        else:
-            raise ValueError(f"{key}: expected one entry per row ({num_rows}) or per image with `num_images`, got "
-                             f"{type(value).__name__} of length {len(value) if hasattr(value, '__len__') else '?'}")
-    if images_per_row is not None and sum(out["num_images"]) == 0:
-        for key in PER_IMAGE_KEYS:
-            out.pop(key, None)
-    return out
-
-
 def critic_values(
     critic: nn.Module,
     input_ids: torch.Tensor,
@@ -879,20 +823,23 @@ def critic_values(
         attention_mask: (B, P + T)
         logits_to_keep: T
         batch_size: rows per forward pass (chunks bound the activation memory at rollout time).
-        image_fields: a VLM's image inputs of the B rows (`image_inputs(batch)`): each chunk gets its rows' images
-            (`image_rows`), so that the critic sees what the policy sees.
+        image_fields: a VLM's image inputs of the B rows in TRL's layout (`selection.image_inputs(batch)`): each
+            chunk gets its rows' images (packed per row once, `selection.pack_multimodal`), so that the critic sees
+            what the policy sees.
     Returns:
         (B, T) float32 values (padding positions hold whatever the head outputs: mask them).
     """
     num_rows = input_ids.shape[0]
     batch_size = batch_size or num_rows
     image_fields = image_fields or {}
+    packed = selection.pack_multimodal(image_fields, num_rows) if 0 < batch_size < num_rows else None
     chunks = []
     for start in range(0, num_rows, batch_size):
         end = min(start + batch_size, num_rows)
-        chunk_images = image_fields if (start, end) == (0, num_rows) else \
-            image_rows(image_fields, range(start, end), num_rows)
-        chunk_images = {k: v for k, v in chunk_images.items() if k not in IMAGE_COUNT_KEYS}
+        chunk_images = image_fields if packed is None else \
+            selection.unpack_multimodal(selection.take_rows(packed, range(start, end), num_rows))
+        # the per-row counts only say how the image tensors split: not model inputs
+        chunk_images = {k: v for k, v in chunk_images.items() if k not in selection.COUNT_KEYS}
         out = critic(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], **chunk_images)
         chunks.append(out.logits[:, -logits_to_keep - 1 : -1, 0].float())
     return torch.cat(chunks, dim=0)

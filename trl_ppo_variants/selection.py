@@ -551,8 +551,12 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
     `mm:<key>` (B, max n_i, ...), zero-padded on the right, and `mm:<key>:count` (B,) = n_i; a per-row input
     (Idefics) stays (B, N, ...) (padding more images with zeros is the processor's own padding); a per-token input
     (B, P + C) is split into `mm:<key>:prompt` (B, P), left-aligned with the prompt, and `mm:<key>:completion` (B, C);
-    `num_images` / `num_tiles` become (B,) tensors. Rows of the packed dict can then be indexed, joined and moved
-    between processes like any row entry, and `unpack_multimodal` restores TRL's layout.
+    `num_images` / `num_tiles` become (B,) tensors. Rows of the packed dict can then be indexed (`take_rows`), joined
+    and moved between processes like any row entry, and `unpack_multimodal` restores TRL's layout.
+
+    Image inputs without a rollout around them (no `prompt_ids` / `completion_ids`: a chunk's inputs, the processor's
+    `multimodal_fields` of ReMax's prompts) keep a per-token input whole, `mm:<key>` (B, L) or a list of B per-row
+    token lists (the processor's, unpadded): its rows can be taken, not joined with rows of another width.
     """
     layout = multimodal_layout(batch, num_rows)
     if not layout:
@@ -566,6 +570,10 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
             if len(value) != num_rows:
                 raise NotImplementedError(f"'{key}' has {len(value)} entries for {num_rows} rows")
             out[PACKED + key] = torch.tensor(list(value), dtype=torch.long)
+        elif unit == "token" and prompt_width is None and completion_width is None:
+            if len(value) != num_rows:
+                raise NotImplementedError(f"'{key}' has {len(value)} rows, expected {num_rows}")
+            out[PACKED + key] = value
         elif unit == "token":
             if prompt_width is None or completion_width is None or value.shape[:2] != (
                     num_rows, prompt_width + completion_width):
@@ -610,6 +618,8 @@ def unpack_multimodal(rows: dict) -> dict:
             out[base] = torch.cat([value, rows[f"{PACKED}{base}:completion"]], dim=1)
         elif name.endswith((":completion", ":count")):
             continue
+        elif isinstance(value, list):  # per-row token lists (`pack_multimodal` without a rollout)
+            out[name] = value
         elif f"{key}:count" in rows:
             counts = rows[f"{key}:count"].to(value.device)
             flat = value[torch.arange(value.shape[1], device=value.device) < counts.unsqueeze(1)]
@@ -618,6 +628,32 @@ def unpack_multimodal(rows: dict) -> dict:
         elif value.shape[0] and value.shape[1]:  # per-row (B, N, ...)
             out[name] = value
     return out
+
+
+def take_rows(packed: dict, rows, num_rows: int) -> dict:
+    """The rows `rows` (indices into B = `num_rows`, any order, repeats allowed) of a dict of per-row entries
+    (`pack_multimodal`'s): tensors (B, ...) are indexed, lists of B per-row items picked; anything else raises a
+    one-line ValueError naming the entry."""
+    rows = list(rows)
+    out = {}
+    for key, value in packed.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_rows:
+            out[key] = value[torch.tensor(rows, dtype=torch.long, device=value.device)]
+        elif isinstance(value, list) and len(value) == num_rows:
+            out[key] = [value[i] for i in rows]
+        else:
+            size = tuple(value.shape) if isinstance(value, torch.Tensor) else len(value) if hasattr(
+                value, "__len__") else "no length"
+            raise ValueError(f"{key}: expected one entry per row ({num_rows}), got {type(value).__name__} ({size})")
+    return out
+
+
+def image_rows(fields: dict, rows, num_rows: int) -> dict:
+    """The image inputs `fields` (TRL's layout, B = `num_rows` rows) of the rows `rows` (any order, repeats allowed),
+    in TRL's layout: `unpack_multimodal(take_rows(pack_multimodal(...)))`. A set of rows without any image gets
+    no image input at all (as TRL gives a text-only batch). To take several sets of rows of one batch (chunks), pack
+    once and call `take_rows` and `unpack_multimodal` per set."""
+    return unpack_multimodal(take_rows(pack_multimodal(fields, num_rows), rows, num_rows))
 
 
 def _empty_rows_like(key: str, template: torch.Tensor, part: dict) -> torch.Tensor:

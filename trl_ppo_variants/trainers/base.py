@@ -46,10 +46,10 @@ TRL_PRIVATE_API = {
     "_get_train_sampler": ("self", "dataset"),
     "_generate": ("self", "prompts"),  # ReMax
     "_save": ("self", "output_dir", "state_dict"),  # PPO (value model)
-    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # PPO (value model)
-    "_load_best_model": ("self",),  # PPO (value model)
+    "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # base (VLM keys), PPO (value model)
+    "_load_best_model": ("self",),  # base (VLM keys), PPO (value model)
     "_push_from_checkpoint": ("self", "checkpoint_folder"),  # PPO (value model)
-    "_issue_warnings_after_load": ("self", "load_result"),  # PPO (value model)
+    "_issue_warnings_after_load": ("self", "load_result"),  # base (tied weights), PPO (value model)
 }
 
 
@@ -372,6 +372,24 @@ def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
     return {renamed.get(key, key): value for key, value in state_dict.items()}
 
 
+@contextlib.contextmanager
+def loads_checkpoint_keys(model):
+    """While active, `model.load_state_dict` takes a checkpoint's keys (`checkpoint_to_model_keys`).
+
+    transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its key
+    conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*"), but `Trainer`'s resume
+    (`_load_from_checkpoint`, sharded or not) and `_load_best_model` load them back raw and non-strict: every weight
+    "missing", the model silently keeps the weights it had. trl.GRPOTrainer inherits this (TRL 1.16, transformers
+    5.25: a Qwen2-VL checkpoint read back leaves 57 of its 58 weights as they were)."""
+    load = model.load_state_dict
+    model.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
+        checkpoint_to_model_keys(model, state_dict), *a, **k)
+    try:
+        yield
+    finally:
+        del model.__dict__["load_state_dict"]
+
+
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -480,17 +498,19 @@ class VariantTrainer(GRPOTrainer):
             checkpointing.load_trainer_state(self, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        # transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its
-        # key conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*") but `Trainer`
-        # loads them back raw, non-strict: a resumed VLM silently kept its initial weights. Renamed here first.
-        target = model if model is not None else self.model
-        load = target.load_state_dict
-        target.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
-            checkpoint_to_model_keys(target, state_dict), *a, **k)
-        try:
+        with loads_checkpoint_keys(model if model is not None else self.model):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
-        finally:
-            del target.__dict__["load_state_dict"]
+
+    def _load_best_model(self):
+        with loads_checkpoint_keys(self.model):
+            super()._load_best_model()
+
+    def _issue_warnings_after_load(self, load_result):
+        # a tied weight (Gemma3's lm_head) is not saved, so it is "missing" from every checkpoint: not worth a warning
+        tied = getattr(self.model, "all_tied_weights_keys", None) or {}
+        if tied and hasattr(load_result, "_replace"):
+            load_result = load_result._replace(missing_keys=[k for k in load_result.missing_keys if k not in tied])
+        super()._issue_warnings_after_load(load_result)
 
     def _get_train_sampler(self, dataset=None):
         # TRL's shuffle of epoch e depends on the passes already made: a resumed run would replay epoch 0's order

@@ -65,7 +65,6 @@ from ..critic import (
     critic_parameters,
     critic_values,
     detached_critic,
-    image_inputs,
     explained_variance,
     get_critic,
     holds_critic_weights,
@@ -429,7 +428,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 self.accelerator.autocast():
             values = critic_values(self.critic, input_ids, attention_mask, output["completion_ids"].shape[1],
-                                   batch_size=batch_size, image_fields=image_inputs(output))
+                                   batch_size=batch_size, image_fields=selection.image_inputs(output))
         return torch.where(output["completion_mask"].bool(), values, torch.zeros_like(values))
 
     def gae_lambdas(self, valid: torch.Tensor):
@@ -525,7 +524,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         with self.accelerator.autocast():
             # called as a submodule, not through the engine's forward (which would run the policy)
             values = critic_values(get_critic(model), input_ids, attention_mask, completion_ids.shape[1],
-                                   image_fields=image_inputs(inputs))
+                                   image_fields=selection.image_inputs(inputs))
         value_mask = inputs["value_mask"]
         per_token_vf, vf_clipped = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], self.args.cliprange_value
