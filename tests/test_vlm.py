@@ -170,6 +170,30 @@ def test_multi_image_prompts(vlm_dirs, family, name, tmp_path):
     assert trainer.state.global_step == 2
 
 
+def _some_prompts_without_images(n: int = 16):
+    """`toy_vlm_dataset(n, images_per_prompt=2)` with every third prompt asking about no image (its image parts and
+    images dropped): TRL's `zen-multi-image` layout, where a prompt may have 0 images."""
+    dataset = toy_vlm_dataset(n, images_per_prompt=2)
+
+    def drop(row, i):
+        if i % 3 == 0:
+            row["prompt"] = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+            row["images"] = []
+        return row
+
+    return dataset.map(drop, with_indices=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_a_batch_mixing_prompts_with_and_without_images_trains(vlm_dirs, family, tmp_path):
+    """TRL gives an image-less prompt `None` for images and its processor refuses the mixed batch (trl.GRPOTrainer
+    too, with several prompts a batch); DAPO's rounds make such batches (TRL's test_train_vlm_multi_image failed)."""
+    trainer = _make("dapo", vlm_dirs[family], tmp_path, dataset=_some_prompts_without_images())
+    trainer.train()
+    assert trainer.state.global_step == 2
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("family,name", [("qwen2_vl", "dapo"), ("gemma3", "ttrl")])

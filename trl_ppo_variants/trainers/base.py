@@ -39,6 +39,7 @@ TRL_PRIVATE_API = {
     "_generate_and_score_completions": ("self", "inputs"),
     "_compute_loss": ("self", "model", "inputs"),
     "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),  # base, ReMax
+    "_tokenize_prompts": ("self", "prompts"),  # base (prompts without images in a VLM batch)
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
     "_prepare_inputs": ("self", "generation_batch"),
     "_save_checkpoint": ("self", "model", "trial"),
@@ -608,6 +609,16 @@ class VariantTrainer(GRPOTrainer):
         if reason is None and self.args.cast_lm_head_to_fp32 and self.accelerator.native_amp:
             reason = "cast_lm_head_to_fp32 under mixed precision"
         return reason
+
+    def _tokenize_prompts(self, prompts):
+        prompt_ids, images, multimodal_fields = super()._tokenize_prompts(prompts)
+        if images is not None and not self.use_vllm:
+            # TRL marks a prompt without images `None`, which its own processor call for the forward's image inputs
+            # refuses ("only a single or a list of entries") once a batch mixes prompts with and without images: a
+            # batch of several prompts (DAPO's rounds, SPEED, GRESO, any batch of TRL's too) hits it where one prompt a
+            # batch does not. The processor takes an empty list. vLLM reads `None` as "no image": left as it is there.
+            images = [prompt_images if prompt_images is not None else [] for prompt_images in images]
+        return prompt_ids, images, multimodal_fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Every change to TRL's HF `generate` call goes through one wrapper (generation.patched_generate): ReMax's
