@@ -276,6 +276,11 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
     text = f"{ratio_table(rows)}\n\nThe split of each step:\n\n{table(runs)}"
     failed = [f for f in existing.get("failures", []) if merge and (f["size"], f["trainer"], f["backend"]) not in again]
     failed += failures
+    for size in sorted({r["size"] for r in runs}, key=order.get):
+        done = {r["trainer"] for r in rows if r["size"] == size}
+        missing = [t for t in TRAINERS if t not in done]
+        if missing:
+            text += f"\n\nNot measured with both engines at the {size} size: {', '.join(missing)}."
     if failed:
         text += "\n\nFailed:\n\n" + "\n".join(f"- {f['size']} {f['trainer']} {f['backend']}: {f['error']}" for f in failed)
     os.makedirs(out_dir, exist_ok=True)
@@ -287,7 +292,7 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
         f.write(f"# vLLM colocate on CPU vs HF generate: one training step of every trainer ({meta['model']})\n\n"
                 f"Seconds, wall clock, the median over the steps after the first of each run (the first: warm-up; "
                 f"steps per run: {sorted({r.get('steps_run', len(r['steps'])) for r in runs})}); {meta['cpu_count']} "
-                f"CPUs; {load}run under `nice -n 19` where `nice` is 19.\n\n{text}\n")
+                f"CPUs; {load}niceness of the runs: {sorted({r.get('nice') for r in runs}, key=str)}.\n\n{text}\n")
     return text
 
 
