@@ -22,7 +22,8 @@ unpacked, then packed again for oneDNN), `load` (TRL's per-parameter `load_weigh
 again).
 
 One vLLM engine per process: the HF runs take one worker process, the vLLM runs another, whose runs share the one
-engine (`tests/scripts/vllm_colocate.share_one_engine`). Writes `vllm_speed.json` and `vllm_speed.md` to `--out`.
+engine (`tests/scripts/vllm_colocate.share_one_engine`), built to run `MAX_NUM_SEQS` sequences at once (TRL would cap it
+at the first trainer's batch, which would split a larger trainer's generation). Writes `vllm_speed.json` and `vllm_speed.md` to `--out`.
 """
 
 from __future__ import annotations
