@@ -181,15 +181,18 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dic
 
 
 def generation_engine() -> tuple[str, str]:
-    """The engine the demo generates with, and why. The demo trains on the CPU, where vLLM's CPU build does not shorten
-    a step: measured on SmolLM2 at the demo's size, HF `generate` 67-84 s a step against vLLM colocate 79-95 s (its
-    importance-sampling forward and the weight sync cost more than the faster generation saves;
-    `bench/vllm_speed.py`, `bench/results/vllm_speed.md`). So `generate`, whether vLLM is installed or not."""
+    """The engine the demo generates with, and why. The demo trains on the CPU, where vLLM's CPU build does not make a
+    step reliably faster: at the demo's size, one step with vLLM colocate took 0.57-1.41x the HF `generate` step over
+    the trainers and runs measured on a loaded 2-core machine (`bench/vllm_speed.py`, `bench/results/vllm_speed.md`;
+    the weight sync and TRL's importance-sampling forward eat what faster generation saves). And the CPU build lives in
+    its own virtualenv (`.venv-vllm`: it pins transformers < 5.18), not the demo's. So `generate`, whether vLLM is
+    installed or not."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return "transformers generate", "vLLM is not installed (and is slower than generate on CPU)"
-    return "transformers generate", "vLLM is installed, but its CPU colocate steps are slower (bench/vllm_speed.py)"
+        return "transformers generate", "vLLM is not installed (and not reliably faster than generate on CPU)"
+    return "transformers generate", ("vLLM is installed, but its CPU colocate steps are not reliably faster "
+                                     "(bench/vllm_speed.py)")
 
 
 def write_results(opts, model_dir: str, before: float, rows: list[dict], seconds: float) -> None:
