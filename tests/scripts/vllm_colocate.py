@@ -151,8 +151,8 @@ def check_greedy_rows(trainer, records: list) -> None:
 
     greedy = trainer._vllm_greedy
 
-    def checked(greedy_prompts, padded, filler):
-        ids = greedy(greedy_prompts, padded, filler)
+    def checked(greedy_prompts, padded, filler, *rest):  # rest: the rows' image lists (None for text)
+        ids = greedy(greedy_prompts, padded, filler, *rest)
         outs = trainer.vllm_generation.llm.generate(
             [{"prompt_token_ids": list(p)} for p in greedy_prompts],
             SamplingParams(temperature=0.0, max_tokens=MAX_COMPLETION), use_tqdm=False)
