@@ -76,7 +76,7 @@ FROZEN_POLICY = {"ppo_is_masked"}
 def _run(tmp_path, tie, *cases):
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, SCRIPT, str(out), tie, *cases], capture_output=True, text=True,
-                          timeout=1200, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=2400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0 and out.exists(), proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -117,7 +117,7 @@ def _assert_engine_matches_the_policy(result):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", CASES)
 def test_every_trainer_trains_under_the_colocate_engine(case, tied_run):
     """Each trainer (tied LM head; full, LoRA policy; PPO/VAPO with their critics) trains 2 steps with generation by a
@@ -127,7 +127,7 @@ def test_every_trainer_trains_under_the_colocate_engine(case, tied_run):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", UNTIED)
 def test_trainers_with_an_untied_head_under_the_colocate_engine(case, untied_run):
     _assert_engine_matches_the_policy(_case(untied_run, case))
@@ -135,7 +135,7 @@ def test_trainers_with_an_untied_head_under_the_colocate_engine(case, untied_run
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_remax_greedy_rows_are_the_engines_greedy_decoding(tied_run):
     """ReMax's baseline rows come from the engine in a temperature-0 request after the sampled rows (one per group):
     equal to a temperature-0 generation of the same engine, and the policy's argmax at every position."""
@@ -150,7 +150,7 @@ def test_remax_greedy_rows_are_the_engines_greedy_decoding(tied_run):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case, prefix, block", [("dapo", "dapo", 4), ("grpo_speed", "selection", 2),
                                                  ("grpo_greso", "selection", 4)])
 def test_prompt_selection_rounds_are_one_engine_call_each(case, prefix, block, tied_run):
@@ -170,7 +170,7 @@ def test_prompt_selection_rounds_are_one_engine_call_each(case, prefix, block, t
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", ["rloo", "rloo_vllm_logps", "rloo_lora", "reinforce_pp", "ppo"])
 def test_kl_in_the_reward_is_zero_at_step_0_under_the_engine(case, tied_run):
     """With policy == reference at step 0 the KL in the reward is 0 within the bound, then positive. With TRL's
@@ -185,7 +185,7 @@ def test_kl_in_the_reward_is_zero_at_step_0_under_the_engine(case, tied_run):
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 def test_importance_sampling_correction_weights_the_policy_loss_not_the_value_loss(tied_run):
     """TRL's `vllm_importance_sampling_correction` multiplies the per-token policy loss by the engine-vs-policy ratio.
     Masking every ratio (token_mask outside [2, 3]: the ratios are 1 within the bound) leaves PPO's policy exactly
@@ -201,7 +201,7 @@ def test_importance_sampling_correction_weights_the_policy_loss_not_the_value_lo
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(2400)
 @pytest.mark.parametrize("case", ["ppo", "ppo_full_critic", "ppo_lora", "vapo"])
 def test_the_critic_trains_and_stays_out_of_the_engine(case, tied_run):
     """PPO (LoRA critic, full critic, LoRA policy with the critic as a second adapter) and VAPO under the engine: the
@@ -210,20 +210,30 @@ def test_the_critic_trains_and_stays_out_of_the_engine(case, tied_run):
     assert _case(tied_run, case)["critic_moved"] > 1e-3
 
 
-#: the learning check, measured (toy reward of 200 seeded samples, 30 GRPO steps; gains over seeds 0, 1, 2): HF
-#: `generate` +0.18 +0.33 +0.265 (mean 0.258), vLLM +0.30 +0.155 +0.385 (mean 0.28). A single seed is too noisy to
-#: compare (seed 1: vLLM 0.47x HF), hence the means.
-LEARN_MIN_GAIN = 0.15
+#: the learning check, measured: mean gain over seeds 0, 1, 2 with HF `generate` / with the engine (toy reward of 200
+#: seeded samples, 30 steps, `make demo-toy`'s settings; TTRL at lr 1e-3, its gain in agreement with its own majority
+#: vote: it has no labels, and on this model its votes are mostly wrong, so its toy reward falls with either engine,
+#: -0.13 / -0.16). A single seed is too noisy to compare (GRPO seed 1: vLLM 0.47x HF; RLOO seed 1: 0.38x), hence the
+#: means. Process GRPO's toy reward is one step long, where its advantage is GRPO's: its gains equal GRPO's.
+LEARNED = {"grpo": (0.258, 0.280), "rloo": (0.235, 0.235), "remax": (0.115, 0.105), "reinforce_pp": (0.238, 0.325),
+           "reinforce_pp_baseline": (0.242, 0.265), "dapo": (0.370, 0.397), "ppo": (0.242, 0.290),
+           "vapo": (0.260, 0.273), "ttrl": (0.472, 0.488), "process_grpo": (0.258, 0.280)}
+LEARN_MIN_GAIN = 0.08  # every trainer must learn with HF `generate` first, or half of its gain means nothing
 
 
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_grpo_learns_with_the_engine_at_least_half_as_much_as_with_hf_generate(tied_run):
-    """GRPO on the toy task, same checkpoint, seeds and steps: generated by the engine, the mean reward gain over the
-    seeds is at least half the mean gain with HF `generate` (which must itself learn: `LEARN_MIN_GAIN`)."""
-    seeds = _case(tied_run, "learning")["seeds"].values()
-    hf = sum(s["hf"] - s["before"] for s in seeds) / len(seeds)
-    vllm = sum(s["vllm"] - s["before"] for s in seeds) / len(seeds)
-    assert hf >= LEARN_MIN_GAIN, list(seeds)
-    assert vllm >= 0.5 * hf, list(seeds)
+@pytest.mark.timeout(2400)
+@pytest.mark.parametrize("algo", list(LEARNED))
+def test_each_trainer_learns_with_the_engine_at_least_half_as_much_as_with_hf_generate(algo, tied_run):
+    """Each trainer on the toy task, same checkpoint, seeds and steps: generated by the engine, the mean gain over the
+    seeds is at least half the mean gain with HF `generate` (which must itself learn: `LEARN_MIN_GAIN`). The gain is
+    in toy reward; TTRL's, in agreement with its majority vote (what it trains on)."""
+    seeds = list(_case(tied_run, "learning")["algorithms"][algo]["seeds"].values())
+    suffix = "_agreement" if algo == "ttrl" else ""
+
+    def gain(backend):
+        return sum(s[backend + suffix] - s["before" + suffix] for s in seeds) / len(seeds)
+
+    assert gain("hf") >= LEARN_MIN_GAIN, seeds
+    assert gain("vllm") >= 0.5 * gain("hf"), seeds

@@ -97,19 +97,18 @@ def _progress_callback(total: int, label: str):
     return Progress()
 
 
-def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) -> dict:
-    """Train a fresh copy of the warm-started toy model with `algo`; returns its row of the table and its curve."""
-    import torch
+def build_trainer(algo: str, base_dir: str, output_dir: str, steps: int, seed: int, model=None, callbacks=(),
+                  **overrides):
+    """A trainer of `algo` on `model` (default: a fresh copy of the toy model in `base_dir`), with `COMMON` and the
+    algorithm's settings (`overrides` on top: e.g. a vLLM engine) and a data set of `steps` batches."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .cli import load_algorithm
-    from transformers import PrinterCallback
-
     from .process import outcome_as_one_step
     from .toy import addition_dataset, addition_reward
 
     config_cls, trainer_cls = load_algorithm(algo)
-    settings = {**COMMON, **ALGO_SETTINGS.get(algo, {})}
+    settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
     settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
     if algo == "ttrl":  # n_votes sets num_generations; the batch counts generated completions
         settings.pop("num_generations")
@@ -117,21 +116,32 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
     fields = set(config_cls.__dataclass_fields__)
     args = config_cls(**{k: v for k, v in settings.items() if k in fields})
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    model = AutoModelForCausalLM.from_pretrained(base_dir)
-    before = sampled_reward(model, tokenizer, args.temperature, seed)
     reward_funcs = [] if algo == "ttrl" else [addition_reward]  # TTRL: no labels, its own majority-vote reward
     extra = {}
     if algo == "process_grpo":
         reward_funcs, extra = [], {"step_reward_funcs": [outcome_as_one_step(addition_reward)]}
-    trainer = trainer_cls(
-        model=model,
+    return trainer_cls(
+        model=model if model is not None else AutoModelForCausalLM.from_pretrained(base_dir),
         reward_funcs=reward_funcs if reward_funcs else None,
         args=args,
         train_dataset=addition_dataset(steps * args.per_device_train_batch_size, seed=seed),
         processing_class=tokenizer,
-        callbacks=[_progress_callback(steps, algo)],
+        callbacks=list(callbacks),
         **extra,
     )
+
+
+def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) -> dict:
+    """Train a fresh copy of the warm-started toy model with `algo`; returns its row of the table and its curve."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    before = sampled_reward(model, tokenizer, COMMON["temperature"], seed)
+    trainer = build_trainer(algo, base_dir, output_dir, steps, seed, model=model,
+                            callbacks=[_progress_callback(steps, algo)])
+    args = trainer.args
     trainer.remove_callback(PrinterCallback)  # the progress bar replaces the per-step dict printout
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -146,11 +156,12 @@ def train_one(algo: str, base_dir: str, output_dir: str, steps: int, seed: int) 
             "steps": steps_done, "curve": curve, "model_dir": args.output_dir, "log_history": trainer.state.log_history}
 
 
-def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
-    """Mean toy reward of `n` seeded samples per prompt over the 25 prompts (deterministic for a given model)."""
+def sampled_completions(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES):
+    """`n` seeded samples per prompt over the 25 prompts (deterministic for a given model): (texts, answers), the
+    samples of a prompt consecutive."""
     import torch
 
-    from .toy import addition_examples, addition_reward
+    from .toy import addition_examples
 
     examples = addition_examples(4)
     enc = tokenizer([e["prompt"] for e in examples], return_tensors="pt", padding=True, padding_side="left")
@@ -163,8 +174,26 @@ def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVA
                              pad_token_id=tokenizer.pad_token_id)
     model.train(was_training)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    rewards = addition_reward(texts, [e["answer"] for e in examples for _ in range(n)])
+    return texts, [e["answer"] for e in examples for _ in range(n)]
+
+
+def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
+    """Mean toy reward of `n` seeded samples per prompt over the 25 prompts (deterministic for a given model)."""
+    from .toy import addition_reward
+
+    texts, answers = sampled_completions(model, tokenizer, temperature, seed, n)
+    rewards = addition_reward(texts, answers)
     return sum(rewards) / len(rewards)
+
+
+def sampled_agreement(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
+    """Share of the seeded samples (`sampled_completions`) that agree with their prompt's majority answer (TTRL's
+    `majority_ratio`, the objective it trains on without labels; answers read by `first_number`)."""
+    from .rewards import majority_vote_rewards
+
+    texts, _ = sampled_completions(model, tokenizer, temperature, seed, n)
+    _, agree = majority_vote_rewards([first_number(t) for t in texts], n)
+    return sum(agree) / len(agree)
 
 
 def format_table(rows: list[dict]) -> str:
