@@ -20,7 +20,8 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_colocate: the cases and the measurement
 
-from vllm_colocate import CASES, MAX_COMPLETION, fixed_logps, max_difference, share_one_engine, varied_reward  # noqa: E402
+from vllm_colocate import (  # noqa: E402
+    CASES, MAX_COMPLETION, fixed_logps, max_difference, record_generate_calls, share_one_engine, varied_reward)
 
 from trl_ppo_variants.toy import use_offline_env  # noqa: E402
 
@@ -55,6 +56,13 @@ def policy_fixed_logps(trainer, tokenizer) -> list[torch.Tensor]:
 
     with deepspeed.zero.GatheredParameters(sharded):
         return fixed_logps(trainer, tokenizer, engine=False)
+
+
+def local_fraction(trainer) -> float:
+    """The share of the model's parameter elements this rank holds (ZeRO-3: its partitions, ~1/world; else 1)."""
+    params = list(trainer.model.parameters())
+    full = sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in params)
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in params) / full
 
 
 def moved(initial: dict, final: dict, policy: bool) -> float:
@@ -92,9 +100,12 @@ def run_case(name: str, model_dir: str, tokenizer) -> dict:
     initial_policy = policy_fixed_logps(trainer, tokenizer)
     result["untrained"] = max_difference(fixed_logps(trainer, tokenizer, engine=True), initial_policy)
     initial = full_parameters(trainer)
+    calls = []
+    record_generate_calls(trainer, calls)
     start = time.perf_counter()
     trainer.train()
     result["train_seconds"] = time.perf_counter() - start
+    result["local_fraction"] = local_fraction(trainer)  # after `train`: LoRA adapters are partitioned by then
     final = full_parameters(trainer)
     result["policy_moved"] = moved(initial, final, policy=True)
     result["critic_moved"] = moved(initial, final, policy=False)
@@ -103,6 +114,7 @@ def run_case(name: str, model_dir: str, tokenizer) -> dict:
     result["trained"] = max_difference(engine, policy_fixed_logps(trainer, tokenizer))
     result["engine_vs_initial_policy"] = max_difference(engine, initial_policy)
     result["steps"] = trainer.state.global_step
+    result["generate_calls"] = calls  # (step, rows): this rank's engine generated this rank's completions
     logs = [h for h in trainer.state.log_history if "loss" in h]
     result["logs"] = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in logs]
     del trainer
