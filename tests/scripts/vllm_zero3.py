@@ -4,8 +4,10 @@
         tests/scripts/vllm_zero3.py MODEL_DIR OUT_DIR CASE [CASE ...]
 
 Each process builds its own engine (TRL: `distributed_executor_backend="external_launcher"`, one engine per rank with
-`vllm_tensor_parallel_size=1`), shared by the process's cases as in `vllm_colocate.py` (`share_one_engine`). Per case
-(a name of `vllm_colocate.CASES`): build the trainer, sync (under ZeRO-3 TRL gathers each parameter), measure the
+`vllm_tensor_parallel_size=1`), shared by the process's cases as in `vllm_colocate.py` (`share_one_engine`); the case
+`grpo_tp2` instead splits one engine over both processes (TRL's tensor-parallel groups: each rank holds half of each
+layer and generates both ranks' prompts), in a launch of its own. Per case (a name of `vllm_colocate.CASES` or
+`grpo_tp2`): build the trainer, sync (under ZeRO-3 TRL gathers each parameter), measure the
 engine against the policy's forward on fixed completions, train 2 steps generating with the engine, sync and measure
 again. The policy's forward runs through the (DeepSpeed) model on every rank at the same time: under ZeRO-3 its
 hooks gather the sharded parameters, a collective. Each rank writes OUT_DIR/rank{r}.json: {case: result}.
@@ -30,6 +32,11 @@ use_offline_env()
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+#: this script's own cases: the engine split over both processes (TRL's tensor-parallel groups); a different engine,
+#: so a launch of its own (one engine per process)
+CASES = {**CASES, "grpo_tp2": ("grpo", {"vllm_tensor_parallel_size": 2}, {})}
 
 
 def full_parameters(trainer) -> dict:
