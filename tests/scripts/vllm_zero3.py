@@ -153,14 +153,6 @@ def main(model_dir: str, out_dir: str, *names: str) -> None:
 
 if __name__ == "__main__":  # vLLM starts worker processes: the engine must not be built at import
     main(*sys.argv[1:])
-    import torch.distributed as dist
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
     from trl_ppo_variants.distributed import finish
 
-    # vLLM's engine destroys its process groups in an exit-time finalizer: after `finish` destroyed the default group
-    # that printed a traceback ("Invalid process group specified", exit status still 0). Destroyed here while valid
-    # (the default group with them), after every rank is done; the finalizer then finds nothing left to destroy.
-    dist.barrier()
-    cleanup_dist_env_and_memory()
-    finish(0)
+    finish(0)  # destroys vLLM's groups before the default one (no exit-time traceback from vLLM's finalizer)
