@@ -335,6 +335,24 @@ def test_refused_where_the_estimator_takes_no_token_rewards(tmp_path, toy_model_
         toy_args(RLOOConfig, tmp_path, process_reward_model_path=prm_dir)
 
 
+def test_an_outcome_on_the_last_step_gives_every_token_grpos_advantage():
+    """`outcome_as_one_step`'s lists (the outcome on the last step, earlier steps unscored) under process GRPO's
+    estimator: every token of a completion gets GRPO's advantage of its outcome, whatever its step count."""
+    from trl_ppo_variants.advantages import grpo_advantages, grpo_process_advantages
+
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.5, 0.0, 1.0, 1.0])
+    counts = [1, 2, 3, 1, 3, 2, 1, 2]  # steps per completion
+    width = 6
+    step_rewards = torch.full((8, 3), float("nan"))
+    step_ends = torch.zeros((8, 3), dtype=torch.long)
+    for i, count in enumerate(counts):
+        step_rewards[i, count - 1] = rewards[i]
+        step_ends[i, :count] = torch.tensor([width - 1 - 2 * (count - 1 - j) for j in range(count)])
+    mask = torch.ones(8, width)
+    expected = grpo_advantages(rewards, 4)[:, None].expand(8, width)
+    torch.testing.assert_close(grpo_process_advantages(step_rewards, step_ends, mask, 4), expected)
+
+
 def test_outcome_as_one_step_wraps_each_outcome_reward_as_a_one_step_list():
     from trl_ppo_variants.process import outcome_as_one_step
 
@@ -344,3 +362,8 @@ def test_outcome_as_one_step_wraps_each_outcome_reward_as_a_one_step_list():
     steps = outcome_as_one_step(reward)
     assert steps.__name__ == "one_step_reward"
     assert steps(completions=["7", "8", "9"], answer=["7", "7", None], prompts=["p"] * 3) == [[1.0], [0.0], [None]]
+    # a text of several steps: the outcome on its last step, the others unscored (one entry was refused for it)
+    texts = ["x\n\n7", "8\n\n\n\n8"]
+    assert steps(completions=texts, answer=["x\n\n7", None], prompts=["p"] * 2) == [[None, 1.0], [None, None, None]]
+    chat = [[{"role": "assistant", "content": "a\n\nb"}]]  # conversational: the assistant message's steps
+    assert steps(completions=chat, answer=["z"], prompts=["p"]) == [[None, 0.0]]

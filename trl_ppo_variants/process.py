@@ -163,12 +163,17 @@ class StepMapper:
         return self.ends
 
 
-def outcome_as_one_step(reward_func: Callable, name: str = "one_step_reward") -> Callable:
-    """A step reward function made of an outcome reward function: the whole completion is one step whose reward is
-    the outcome reward (None stays None). Process GRPO then trains exactly as GRPO on that reward."""
+def outcome_as_one_step(reward_func: Callable, name: str = "one_step_reward", separator: str = "\n\n") -> Callable:
+    """A step reward function made of an outcome reward function: the outcome reward is the reward of the
+    completion's last step, the steps before it (a completion whose text holds `separator`, the trainer's
+    `step_separator`) are unscored (None stays None). Every token then gets the normalised outcome as its advantage:
+    process GRPO trains exactly as GRPO on that reward, whatever the text's step count (a one-entry list for every
+    completion was refused for a text with a blank line: SmolLM2's word problems hit it at the first step)."""
 
     def step_rewards(*args, **kwargs) -> list[list[float | None]]:
-        return [[r] for r in reward_func(*args, **kwargs)]
+        rewards = reward_func(*args, **kwargs)
+        counts = [len(split_steps(completion_text(c), separator)) for c in kwargs["completions"]]
+        return [[None] * (count - 1) + [r] for r, count in zip(rewards, counts)]
 
     step_rewards.__name__ = name
     return step_rewards
