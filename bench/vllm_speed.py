@@ -103,14 +103,18 @@ def instrument(trainer, steps: list) -> None:
     trainer.add_callback(StepTimer())
 
 
-#: `--trainers` names: this package's algorithms and "trl" (`trl.GRPOTrainer`, the demo's reference, with the
-#: demo's "grpo" settings); "ours" is kept as a name of this package's GRPO (the first version of this benchmark)
-TRAINERS = ("grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
-            "process_grpo", "trl")
+#: `--trainers` names: this package's algorithms, "grpo_is_off" (GRPO without TRL's importance-sampling correction,
+#: what the README recommends on CPU: its HF run is a second GRPO run, a measure of the noise) and "trl"
+#: (`trl.GRPOTrainer`, the demo's reference, with the demo's "grpo" settings); "ours" is kept as a name of this
+#: package's GRPO (the first version of this benchmark)
+TRAINERS = ("grpo", "grpo_is_off", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
+            "ttrl", "process_grpo", "trl")
 ALIASES = {"ours": "grpo"}
+#: the algorithm a `TRAINERS` name trains (itself where absent)
+ALGORITHM = {"grpo_is_off": "grpo"}
 #: VAPO's demo value pre-training (4 critic-only steps) shortened to 1: the step dropped as warm-up is the critic-only
 #: one and every measured step updates the policy, as every other trainer's does
-OVERRIDES = {"vapo": {"value_pretrain_steps": 1}}
+OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "grpo_is_off": {"vllm_importance_sampling_correction": False}}
 
 
 def trainer_settings(which: str, size: str, steps: int, use_vllm: bool) -> dict:
@@ -118,7 +122,7 @@ def trainer_settings(which: str, size: str, steps: int, use_vllm: bool) -> dict:
     length, `steps` steps in all and the engine's settings."""
     from trl_ppo_variants import demo
 
-    algo = demo.REFERENCE if which == "trl" else which
+    algo = demo.REFERENCE if which == "trl" else ALGORITHM.get(which, which)
     settings = {**demo.COMMON, **demo.ALGO_SETTINGS.get(algo, {}), **OVERRIDES.get(which, {}), **SIZES[size]}
     if "n_votes" in settings:  # TTRL: n_votes sets num_generations
         settings.pop("num_generations", None)
@@ -136,7 +140,8 @@ def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
     from trl_ppo_variants.process import outcome_as_one_step
     from trl_ppo_variants.smollm2 import word_problem_dataset, word_problem_reward
 
-    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else load_algorithm(which)
+    config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else \
+        load_algorithm(ALGORITHM.get(which, which))
     args = config_cls(**trainer_settings(which, size, steps, use_vllm))
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)

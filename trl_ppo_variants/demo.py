@@ -182,9 +182,9 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dic
 
 def generation_engine() -> tuple[str, str]:
     """The engine the demo generates with, and why. The demo trains on the CPU, where vLLM's CPU build does not make a
-    step reliably faster: at the demo's size, one step with vLLM colocate took 0.57-1.41x the HF `generate` step over
-    the trainers and runs measured on a loaded 2-core machine (`bench/vllm_speed.py`, `bench/results/vllm_speed.md`;
-    the weight sync and TRL's importance-sampling forward eat what faster generation saves). And the CPU build lives in
+    step faster: at the demo's size, one step with vLLM colocate took 1.05-1.21x the HF `generate` step, every trainer,
+    on a quiet 2-core machine (`bench/vllm_speed.py`, `bench/results/vllm_speed.md`: generation is 1.5-1.8x faster,
+    the weight sync and TRL's importance-sampling forward eat it; 0.94-1.02x at 64 completions of 128 tokens). And the CPU build lives in
     its own virtualenv (`.venv-vllm`: it pins transformers < 5.18), not the demo's. So `generate`, whether vLLM is
     installed or not."""
     import importlib.util
