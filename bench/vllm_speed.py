@@ -137,7 +137,7 @@ def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
 
     from trl_ppo_variants import vllm_cpu
     from trl_ppo_variants.cli import load_algorithm
-    from trl_ppo_variants.process import outcome_as_one_step
+    from trl_ppo_variants.demo import algorithm_rewards
     from trl_ppo_variants.smollm2 import word_problem_dataset, word_problem_reward
 
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else \
@@ -145,11 +145,7 @@ def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
     args = config_cls(**trainer_settings(which, size, steps, use_vllm))
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)
-    rewards, extra = word_problem_reward, {}
-    if which == "ttrl":
-        rewards = None
-    elif which == "process_grpo":
-        rewards, extra = None, {"step_reward_funcs": [outcome_as_one_step(word_problem_reward)]}
+    rewards, extra = algorithm_rewards(which, word_problem_reward)
     with vllm_cpu.cpu_colocate_engine(args):  # ours does this itself; trl.GRPOTrainer needs it on CPU
         return trainer_cls(model_dir, rewards, args=args, train_dataset=dataset, **extra)
 

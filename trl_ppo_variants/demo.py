@@ -108,6 +108,18 @@ def critic_only_steps(algo: str, **overrides) -> int:
     return settings.get("value_pretrain_steps", 0) or settings.get("critic_warmup_steps", 0)
 
 
+def algorithm_rewards(algo: str, reward):
+    """(reward_funcs, extra trainer keyword arguments) of `algo` on a task scored by `reward`: TTRL none (it learns
+    from its own majority vote), process GRPO the task reward as a one-step step reward (`outcome_as_one_step`)."""
+    from .process import outcome_as_one_step
+
+    if algo == "ttrl":
+        return None, {}
+    if algo == "process_grpo":
+        return None, {"step_reward_funcs": [outcome_as_one_step(reward)]}
+    return reward, {}
+
+
 def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
     config_cls, _ = trainer_classes(algo)
     settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
@@ -146,7 +158,6 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dic
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
 
-    from .process import outcome_as_one_step
     from .smollm2 import word_problem_dataset, word_problem_reward
 
     _, trainer_cls = trainer_classes(algo)
@@ -155,9 +166,7 @@ def train_one(algo: str, model_dir: str, heldout, opts, bar, **overrides) -> dic
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps // args.num_generations
     train = word_problem_dataset(max(64, opts.steps * prompts_per_step * 2), seed=opts.seed + TRAIN_SEED_OFFSET)
-    rewards, extra = (None, {}) if algo == "ttrl" else (word_problem_reward, {})
-    if algo == "process_grpo":
-        rewards, extra = None, {"step_reward_funcs": [outcome_as_one_step(word_problem_reward)]}
+    rewards, extra = algorithm_rewards(algo, word_problem_reward)
     trainer = trainer_cls(model=model, reward_funcs=rewards, args=args, train_dataset=train,
                           processing_class=tokenizer, callbacks=[_progress(bar, algo)], **extra)
     trainer.remove_callback(PrinterCallback)  # the progress bar replaces the per-step dict printout

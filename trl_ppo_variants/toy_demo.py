@@ -104,7 +104,7 @@ def build_trainer(algo: str, base_dir: str, output_dir: str, steps: int, seed: i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .cli import load_algorithm
-    from .process import outcome_as_one_step
+    from .demo import algorithm_rewards
     from .toy import addition_dataset, addition_reward
 
     config_cls, trainer_cls = load_algorithm(algo)
@@ -116,13 +116,10 @@ def build_trainer(algo: str, base_dir: str, output_dir: str, steps: int, seed: i
     fields = set(config_cls.__dataclass_fields__)
     args = config_cls(**{k: v for k, v in settings.items() if k in fields})
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    reward_funcs = [] if algo == "ttrl" else [addition_reward]  # TTRL: no labels, its own majority-vote reward
-    extra = {}
-    if algo == "process_grpo":
-        reward_funcs, extra = [], {"step_reward_funcs": [outcome_as_one_step(addition_reward)]}
+    reward_funcs, extra = algorithm_rewards(algo, addition_reward)
     return trainer_cls(
         model=model if model is not None else AutoModelForCausalLM.from_pretrained(base_dir),
-        reward_funcs=reward_funcs if reward_funcs else None,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=addition_dataset(steps * args.per_device_train_batch_size, seed=seed),
         processing_class=tokenizer,
@@ -177,23 +174,22 @@ def sampled_completions(model, tokenizer, temperature: float, seed: int, n: int 
     return texts, [e["answer"] for e in examples for _ in range(n)]
 
 
-def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
-    """Mean toy reward of `n` seeded samples per prompt over the 25 prompts (deterministic for a given model)."""
+def sampled_scores(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> tuple[float, float]:
+    """Two measures of the same seeded samples (`sampled_completions`): the mean toy reward, and the share that agree
+    with their prompt's majority answer (TTRL's `majority_ratio`, the objective it trains on without labels; answers
+    read by `first_number`)."""
+    from .rewards import majority_vote_rewards
     from .toy import addition_reward
 
     texts, answers = sampled_completions(model, tokenizer, temperature, seed, n)
     rewards = addition_reward(texts, answers)
-    return sum(rewards) / len(rewards)
-
-
-def sampled_agreement(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
-    """Share of the seeded samples (`sampled_completions`) that agree with their prompt's majority answer (TTRL's
-    `majority_ratio`, the objective it trains on without labels; answers read by `first_number`)."""
-    from .rewards import majority_vote_rewards
-
-    texts, _ = sampled_completions(model, tokenizer, temperature, seed, n)
     _, agree = majority_vote_rewards([first_number(t) for t in texts], n)
-    return sum(agree) / len(agree)
+    return sum(rewards) / len(rewards), sum(agree) / len(agree)
+
+
+def sampled_reward(model, tokenizer, temperature: float, seed: int, n: int = EVAL_SAMPLES) -> float:
+    """Mean toy reward of `n` seeded samples per prompt over the 25 prompts (deterministic for a given model)."""
+    return sampled_scores(model, tokenizer, temperature, seed, n)[0]
 
 
 def format_table(rows: list[dict]) -> str:
