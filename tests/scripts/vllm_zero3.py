@@ -23,7 +23,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_colocate: the cases and the measurement
 
 from vllm_colocate import (  # noqa: E402
-    CASES, MAX_COMPLETION, fixed_logps, max_difference, record_generate_calls, share_one_engine, varied_reward)
+    CASES, case_trainer, fixed_logps, max_difference, moved, numeric_logs, record_generate_calls, share_one_engine)
 
 from trl_ppo_variants.toy import use_offline_env  # noqa: E402
 
@@ -72,33 +72,9 @@ def local_fraction(trainer) -> float:
     return sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in params) / full
 
 
-def moved(initial: dict, final: dict, policy: bool) -> float:
-    """Max |change| of the policy's (policy=True) or the critic's parameters between two `full_parameters`."""
-    from trl_ppo_variants.critic import is_critic_key
-
-    return max([(final[k].float() - initial[k].float()).abs().max().item()
-                for k in final if is_critic_key(k) != policy] or [0.0])
-
-
 def run_case(name: str, model_dir: str, tokenizer) -> dict:
-    from trl_ppo_variants.cli import load_algorithm
-    from trl_ppo_variants.toy import addition_dataset
-
-    algo, settings, options = CASES[name]
-    config_cls, trainer_cls = load_algorithm(algo)
-    args = config_cls(
-        output_dir=tempfile.mkdtemp(prefix="vllm_dist_out_"), max_completion_length=MAX_COMPLETION, max_steps=2,
-        per_device_train_batch_size=8, num_generations=4, learning_rate=3e-2, logging_steps=1, report_to=[],
-        use_cpu=True, bf16=False, seed=0, save_strategy="no", disable_tqdm=True, use_vllm=True,
-        vllm_mode="colocate", vllm_gpu_memory_utilization=0.05, vllm_max_model_length=64, **settings)
-    kwargs = {}
-    if options.get("lora"):
-        from peft import LoraConfig
-
-        kwargs["peft_config"] = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear")
     start = time.perf_counter()
-    trainer = trainer_cls(model_dir, reward_funcs=varied_reward, args=args, train_dataset=addition_dataset(64),
-                          **kwargs)
+    trainer = case_trainer(CASES[name], model_dir)
     result = {"case": name, "engine": type(trainer.vllm_generation).__name__,
               "world": trainer.accelerator.num_processes,
               "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
@@ -122,8 +98,7 @@ def run_case(name: str, model_dir: str, tokenizer) -> dict:
     result["engine_vs_initial_policy"] = max_difference(engine, initial_policy)
     result["steps"] = trainer.state.global_step
     result["generate_calls"] = calls  # (step, rows): this rank's engine generated this rank's completions
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    result["logs"] = [{k: v for k, v in h.items() if isinstance(v, (int, float))} for h in logs]
+    result["logs"] = numeric_logs(trainer)
     del trainer
     return result
 
