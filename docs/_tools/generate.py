@@ -160,9 +160,14 @@ RESULT_MARKER = re.compile(r"^<!-- results: (?P<path>\S+) -->$", re.M)
 
 
 def result_block(path: str) -> str:
-    """A results file of bench/results shown in a page: its Markdown with its headings made subordinate."""
+    """A results file of bench/results shown in a page: its Markdown with its headings made subordinate, `<` outside
+    code escaped, and a blank line before each list that follows a line of text (the scripts write them without;
+    Markdown needs it)."""
     text = (RESULTS / path).read_text().strip()
-    return re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m[1]) + 3, 6) + " ", text, flags=re.M)
+    text = re.sub(r"^(#{1,4}) ", lambda m: "#" * min(len(m[1]) + 3, 6) + " ", text, flags=re.M)
+    # a `<` outside code is text, not HTML (pytest's `<locals>` would vanish as a tag)
+    text = "`".join(part.replace("<", "&lt;") if i % 2 == 0 else part for i, part in enumerate(text.split("`")))
+    return re.sub(r"^((?!- |\s*$).+)\n(?=- )", r"\1\n\n", text, flags=re.M)
 
 
 def included_results() -> set[str]:
