@@ -65,7 +65,8 @@ def algorithm_table(page: str, docs_prefix: str = "") -> str:
     for entry in algorithms.REGISTRY.values():
         link = posixpath.join(docs_prefix, entry.doc_page) if docs_prefix else _rel(entry.doc_page, page)
         preset = "".join(f", `{k}={v!r}`" for k, v in entry.preset if v is not False)
-        lines.append(f"| [{entry.label}]({link}) | [{entry.paper.name}, arXiv {entry.paper.arxiv_id}]({entry.paper.url})"
+        short = entry.paper.title.split(":")[0]  # "DeepSeekMath", "Back to Basics", ...
+        lines.append(f"| [{entry.label}]({link}) | [{short}, arXiv {entry.paper.arxiv_id}]({entry.paper.url})"
                      f" | {entry.summary} | `{entry.config}`{preset} / `{entry.trainer}` |")
     return "\n".join(lines)
 
