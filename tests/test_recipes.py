@@ -52,8 +52,9 @@ def test_recipe_states_command_hardware_and_lengths(algo):
 
 
 def test_recipes_readme_table_matches_the_recipes():
-    """The README's samples per prompt and lengths are the recipes' own (remax.yaml and reinforce_pp.yaml moved to
-    the papers' one sample per prompt and the table still said 2 and 4)."""
+    """recipes/README.md's samples per prompt and lengths are the recipes' own (remax.yaml and reinforce_pp.yaml moved
+    to the papers' one sample per prompt and the table still said 2 and 4; the table is generated since, by
+    docs/_tools/generate.py, whose output tests/test_readme.py keeps current)."""
     rows = re.findall(r"^\| `(\w+)\.yaml` \|[^|]*\|[^|]*\| ([^|]+) \| (\d+) \|$", (RECIPES / "README.md").read_text(),
                       flags=re.M)
     assert sorted(name for name, _, _ in rows) == sorted(RECIPE_ALGOS)
@@ -213,9 +214,9 @@ def test_accelerate_comments_explain_rl_settings():
     assert "train_batch_size" in zero1 and "auto" in zero1
     assert "ds3_gather_for_generation" in zero3
     assert "vllm_enable_sleep_mode" in zero3 and "colocate" in zero3
-    readme = (RECIPES / "README.md").read_text()
-    assert "trl vllm-serve" in readme and "vllm_mode server" in readme.replace(":", "")
-    assert "--main_process_ip" in readme and "--machine_rank" in readme
+    guide = (ROOT / "docs" / "how-to" / "distributed.md").read_text()  # the docs page that explains them
+    assert "trl vllm-serve" in guide and "vllm_mode server" in guide.replace(":", "")
+    assert "--main_process_ip" in guide and "--machine_rank" in guide
 
 
 def test_wrong_key_in_accelerate_config_is_an_error(tmp_path):

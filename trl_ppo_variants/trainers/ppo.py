@@ -119,8 +119,8 @@ class PPOConfig(StepRewardFields, VariantConfig):
             says which. `"full"`: the critic trains a copy of the backbone (its own gradients and optimizer state).
             The default since issue 28: on SmolLM2 (the demo's 8 steps, seeds 0-3) the LoRA critic's mean held-out
             gain was +0.119 against the full critic's +0.021 (higher on 3 seeds of 4; not a significant difference),
-            at 1.02x the memory of GRPO with a reference model against 1.56x (README, "The critic of PPO and
-            VAPO"). VAPO keeps `"full"`.
+            at 1.02x the memory of GRPO with a reference model against 1.56x (docs/concepts/critic.md). VAPO keeps
+            `"full"`.
         critic_lora_r (`int`, *optional*, defaults to `16`):
             Rank of the LoRA critic's adapter.
         critic_lora_alpha (`float`, *optional*, defaults to `32`):
