@@ -135,3 +135,19 @@ def test_transformers_weight_renaming_we_undo_on_resume():
     from transformers.core_model_loading import revert_weight_conversion
 
     assert list(inspect.signature(revert_weight_conversion).parameters)[:2] == ["model", "state_dict"]
+
+
+def test_transformers_checkpoint_loader_we_call():
+    """`checkpointing.convert_checkpoint` (resume and `load_best_model_at_end`) runs transformers' own checkpoint
+    loader, a private function, on a weightless twin of the model."""
+    import dataclasses
+
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    params = list(inspect.signature(convert_and_load_state_dict_in_model).parameters)
+    assert params[:3] == ["model", "state_dict", "load_config"], (
+        f"transformers' convert_and_load_state_dict_in_model now takes {params}: re-check "
+        "checkpointing.convert_checkpoint")
+    assert "weight_mapping" in {f.name for f in dataclasses.fields(LoadStateDictConfig)}, (
+        "transformers' LoadStateDictConfig has no `weight_mapping` any more: re-check checkpointing.convert_checkpoint")

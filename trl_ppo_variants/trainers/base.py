@@ -351,46 +351,6 @@ def accepts_trl_positional(init):
     return wrapper
 
 
-def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
-    """A state dict saved by `save_pretrained` (keys in the model's original format: transformers 5 reverts its
-    renamings on save) with the keys the model's `load_state_dict` expects. Only renamings are undone (a conversion
-    that merges or splits tensors is left to transformers); a state dict already in the model's keys is returned as
-    it is."""
-    from transformers import PreTrainedModel
-
-    own = model.state_dict().keys()
-    if not isinstance(model, PreTrainedModel) or set(state_dict) <= set(own):
-        return state_dict
-    from transformers.core_model_loading import revert_weight_conversion
-
-    # each key carries its index through the reverse conversion: a pure renaming keeps it whole
-    markers = {key: torch.tensor([float(i)]) for i, key in enumerate(own)}
-    names = list(own)
-    saved = revert_weight_conversion(model, dict(markers))
-    if any(v.shape != (1,) for v in saved.values()):
-        return state_dict
-    renamed = {key: names[int(v.item())] for key, v in saved.items()}
-    return {renamed.get(key, key): value for key, value in state_dict.items()}
-
-
-@contextlib.contextmanager
-def loads_checkpoint_keys(model):
-    """While active, `model.load_state_dict` takes a checkpoint's keys (`checkpoint_to_model_keys`).
-
-    transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its key
-    conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*"), but `Trainer`'s resume
-    (`_load_from_checkpoint`, sharded or not) and `_load_best_model` load them back raw and non-strict: every weight
-    "missing", the model silently keeps the weights it had. trl.GRPOTrainer inherits this (TRL 1.16, transformers
-    5.25: a Qwen2-VL checkpoint read back leaves 57 of its 58 weights as they were)."""
-    load = model.load_state_dict
-    model.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
-        checkpoint_to_model_keys(model, state_dict), *a, **k)
-    try:
-        yield
-    finally:
-        del model.__dict__["load_state_dict"]
-
-
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -499,12 +459,19 @@ class VariantTrainer(GRPOTrainer):
             checkpointing.load_trainer_state(self, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with loads_checkpoint_keys(model if model is not None else self.model):
+        # transformers loads the saved weights raw: those saved in another format than the model's (a VLM's names, an
+        # MoE's experts) would keep their values (checkpointing.load_model_weights)
+        if self.is_fsdp_enabled or not checkpointing.load_model_weights(
+                self, model if model is not None else self.model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
-        with loads_checkpoint_keys(self.model):
+        best = self.state.best_model_checkpoint
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not checkpointing.load_model_weights(
+                self, self.model, best):
             super()._load_best_model()
+        else:
+            logger.info(f"Loaded the best model from {best} (score: {self.state.best_metric}).")
 
     def _issue_warnings_after_load(self, load_result):
         # a tied weight (Gemma3's lm_head) is not saved, so it is "missing" from every checkpoint: not worth a warning
