@@ -8,9 +8,11 @@ its `_step` counter behind. TRL then regenerates the buffer after a resume, with
 task: final weights 1.4e-3 away from the uninterrupted run). This module saves, per process, a small file next to the
 Trainer's own files:
 
-    checkpoint-N/variant_state_rank{r}.pt   {"_step", "buffered_inputs", "metrics", "extra", "world_size", ...}
+    checkpoint-N/variant_state_rank{r}.pt   {"_step", "buffered_inputs", "metrics", "extra", "world_size",
+                                            "scoring_tally", ...}
 
-and restores it on resume. Trainers with state of their own (DAPO's refill position, VAPO's pre-training counter, ...)
+and restores it on resume. `scoring_tally` (the unscorable-run guard's count of the run's generation batches and
+completions) belongs to the run: a run resumed for its last steps judges them with its earlier batches. Trainers with state of their own (DAPO's refill position, VAPO's pre-training counter, ...)
 put it there through `VariantTrainer.extra_state()` / `load_extra_state(state)`.
 
 Atomicity. `Trainer._save_checkpoint` writes straight into `checkpoint-N/` and `get_last_checkpoint` picks the
@@ -181,7 +183,8 @@ def begin_checkpoint(trainer, output_dir: str) -> None:
 
 
 def trainer_state_dict(trainer) -> dict:
-    """This process's in-flight state: the generation buffer and its counter, unlogged metrics, extra state."""
+    """This process's in-flight state: the generation buffer and its counter, unlogged metrics, the scoring tally,
+    extra state."""
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     step = int(trainer._step)
     # at a block boundary the buffer is about to be regenerated: it would be dead weight in the checkpoint
@@ -194,6 +197,7 @@ def trainer_state_dict(trainer) -> dict:
         "_step": step,
         "buffered_inputs": buffered,
         "metrics": {k: list(v) for k, v in trainer._metrics["train"].items()},
+        "scoring_tally": dict(trainer.scoring_tally),
         "extra": trainer.extra_state(),
     }
 
@@ -274,6 +278,8 @@ def load_trainer_state(trainer, checkpoint: str) -> bool:
         return False
     # our own file, written by `save_trainer_state`; it holds tensors and Python containers (not only weights)
     state = torch.load(path, map_location=trainer.accelerator.device, weights_only=False)
+    # the same on every process and for any number of them (counted on gathered rewards)
+    trainer.scoring_tally.update(state.get("scoring_tally") or {})
     if state.get("world_size") != trainer.accelerator.num_processes:
         warnings.warn(
             f"{checkpoint} was written by {state.get('world_size')} processes, resuming with "
