@@ -380,6 +380,7 @@ class VariantTrainer(GRPOTrainer):
         #: completions and generation batches of this run's training, and how many had no finite reward
         self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "consecutive_prompts": 0,
                               "completions": 0, "unscorable_completions": 0}
+        self._unscorable_prompts = set()  # the prompts counted in "consecutive_prompts" (`track_scorable`)
         # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
         # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
         # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
@@ -495,12 +496,17 @@ class VariantTrainer(GRPOTrainer):
         return output
 
     # -------------------------------------------------------------------------------------------- unscorable rewards
-    def track_scorable(self, rewards_per_func: torch.Tensor, group_size: int) -> None:
+    def track_scorable(self, rewards_per_func: torch.Tensor, group_size: int, prompts=None) -> None:
         """Count a training generation batch's completions that no reward function scored (every entry of their row
         NaN: advantage 0, nothing learned from them) into `scoring_tally`; after `max_unscorable_batches`
-        consecutive batches without one scored completion that hold `min_unscorable_prompts` prompts (rows /
-        `group_size`) or more, stop with a one-line error. `rewards_per_func` is the gathered (N, F) table, the same
-        on every process, so every process stops at the same batch."""
+        consecutive batches without one scored completion that hold `min_unscorable_prompts` prompts or more, stop
+        with a one-line error. `rewards_per_func` is the gathered (N, F) table, the same on every process, so every
+        process stops at the same batch.
+
+        A batch's prompts are its rows / `group_size` (whole groups), or `prompts`, the identities (hashable, unique
+        within the run) of the prompts whose rows it holds when its row blocks are parts of groups (SPEED's
+        screenings and completions): a prompt counts once in a run of unscorable batches, its screening and its
+        completion being one prompt."""
         if not self.model.training:
             return
         columns = self.scorable_columns()
@@ -514,10 +520,16 @@ class VariantTrainer(GRPOTrainer):
         tally["unscorable_completions"] += unscored
         if unscored < total or total == 0:
             tally["consecutive"] = tally["consecutive_prompts"] = 0
+            self._unscorable_prompts.clear()
             return
         tally["unscorable_batches"] += 1
         tally["consecutive"] += 1
-        tally["consecutive_prompts"] += -(-total // max(group_size, 1))
+        if prompts is None:
+            tally["consecutive_prompts"] += -(-total // max(group_size, 1))
+        else:
+            new = set(prompts) - self._unscorable_prompts
+            self._unscorable_prompts |= new
+            tally["consecutive_prompts"] += len(new)
         limit = self.args.max_unscorable_batches
         if limit is not None and tally["consecutive"] >= limit and (
                 tally["consecutive_prompts"] >= self.args.min_unscorable_prompts):
@@ -655,12 +667,13 @@ class VariantTrainer(GRPOTrainer):
         output = self.score_rollout(inputs)
         return self._replace_advantages(output, inputs)
 
-    def score_rollout(self, inputs: list) -> dict:
+    def score_rollout(self, inputs: list, prompts=None) -> dict:
         """TRL's generation and scoring of the rows `inputs` (groups of `num_generations`), counted by
-        `track_scorable`. Every generation batch of every trainer passes here, each round of a prompt selection
-        too, so the unscorable-run guard holds whether or not a trainer replaces TRL's advantages."""
+        `track_scorable` (`prompts`: see there). Every generation batch of every trainer passes here, each round of
+        a prompt selection too, so the unscorable-run guard holds whether or not a trainer replaces TRL's
+        advantages."""
         output = super()._generate_and_score_completions(inputs)
-        self.track_scorable(self._captured_rewards_per_func, self.num_generations)
+        self.track_scorable(self._captured_rewards_per_func, self.num_generations, prompts)
         return output
 
     def _compute_loss(self, model, inputs):
