@@ -275,3 +275,22 @@ def test_sharded_moe_checkpoint_loads_every_tensor_and_a_missing_expert_is_refus
                                          r"\(model\.layers\.1\.mlp\.experts\.down_proj\)"):
         load_model_weights(_Loader(), fresh, str(tmp_path / "ckpt"))
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing was loaded
+
+
+def test_weights_in_another_dtype_come_back_unrounded(tmp_path):
+    """The loader casts each saved tensor to the dtype of the tensor it fills: a head kept in a wider dtype than the
+    rest (what `cast_lm_head_to_fp32` does to a bf16 model) is filled in its own, bit for bit."""
+    from trl_ppo_variants.checkpointing import load_model_weights
+    from trl_ppo_variants.toy import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    saved = build_model(tok, seed=0, num_experts=4, tie_word_embeddings=False)
+    saved.lm_head.to(torch.float64)
+    with torch.no_grad():
+        saved.lm_head.weight.add_(1e-12)  # not representable in fp32
+    saved.save_pretrained(tmp_path / "ckpt")
+    model = build_model(tok, seed=1, num_experts=4, tie_word_embeddings=False)
+    model.lm_head.to(torch.float64)
+    assert load_model_weights(_Loader(), model, str(tmp_path / "ckpt"))
+    assert model.lm_head.weight.dtype == torch.float64
+    assert not [k for k, v in saved.state_dict().items() if not torch.equal(model.state_dict()[k], v)]
