@@ -74,7 +74,8 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def make_trainer(name, model_dir, tmp_path, out, reward=None, callbacks=None, dataset=None, **overrides):
+def make_trainer(name, model_dir, tmp_path, out, reward=None, callbacks=None, dataset=None, eval_dataset=None,
+                 **overrides):
     from conftest import toy_args
 
     from trl_ppo_variants.toy import addition_dataset, addition_reward
@@ -84,7 +85,7 @@ def make_trainer(name, model_dir, tmp_path, out, reward=None, callbacks=None, da
     args = toy_args(config_cls, tmp_path, output_dir=str(tmp_path / out), **spec_overrides)
     funcs = reward if reward is not None else (addition_reward if with_reward else None)
     return trainer_cls(model_dir, funcs, args=args, train_dataset=dataset or addition_dataset(64, seed=0),
-                       callbacks=callbacks, **trainer_kwargs(name))
+                       eval_dataset=eval_dataset, callbacks=callbacks, **trainer_kwargs(name))
 
 
 def modules_state(trainer) -> dict[str, torch.Tensor]:

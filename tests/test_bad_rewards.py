@@ -219,3 +219,29 @@ def test_a_failed_function_does_not_print_trl_none_warning(toy_model_dir, tmp_pa
     with caplog.at_level(logging.WARNING, logger="trl.trainer.grpo_trainer"):
         trainer.train()
     assert [r for r in caplog.records if "All reward functions returned None" in r.getMessage()]
+
+
+def _nan_from_step_2(completions, answer, trainer_state=None, **kwargs):
+    """addition_reward, NaN for every completion from global step 2 on."""
+    if trainer_state.global_step >= 2:
+        return [float("nan")] * len(completions)
+    return addition_reward(completions, answer)
+
+
+@pytest.mark.timeout(300)
+def test_a_resumed_run_keeps_its_scoring_tally(toy_model_dir, tmp_path):
+    """The tally belongs to the run: 3 steps whose last batch is unscorable complete with 1 of 3 batches unscored;
+    stopped after step 2 and resumed, the same run raised "no completion got a finite reward in any of the run's 1
+    generation batches" after training (the tally had restarted at the resume). It completes now, with the
+    uninterrupted run's tally."""
+    from reliability_helpers import StopAt
+
+    common = dict(reward=[_nan_from_step_2], max_steps=3, save_strategy="steps", save_steps=2)
+    full = make_trainer("rloo", toy_model_dir, tmp_path, "full", **common)
+    full.train()
+    assert full.scoring_tally["batches"] == 3 and full.scoring_tally["unscorable_batches"] == 1
+    make_trainer("rloo", toy_model_dir, tmp_path, "stopped", callbacks=[StopAt(2)], **common).train()
+    resumed = make_trainer("rloo", toy_model_dir, tmp_path, "stopped", **common)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 3
+    assert resumed.scoring_tally == full.scoring_tally

@@ -130,3 +130,167 @@ def test_resume_during_critic_warmup_is_exact(name, field, toy_model_dir, tmp_pa
     # the rate each step ran with: steps 1-4 warm the critic up, step 5 is the policy's first (its own warm-up step)
     rates = [step_logs(resumed)[s]["learning_rate"] for s in range(4, 7)]
     assert rates == pytest.approx([0.0, 0.0, 1e-3])
+
+
+# --------------------------------------------------------------------------------------------- mixture-of-experts
+#: the tiny Qwen3-MoE's tensors (`toy.build_model(num_experts=4)`): per layer 4 attention projections, 2 norms of
+#: queries and keys, 2 layer norms, the router and the two fused expert tensors; embeddings, final norm, tied head
+MOE_TENSORS = 2 * 11 + 3
+
+
+@pytest.fixture(scope="module")
+def toy_moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (4 experts, 2 routed per token) warm-started on the toy task: right on 20% of the prompts."""
+    from trl_ppo_variants.toy import make_toy_checkpoint
+
+    return make_toy_checkpoint(str(tmp_path_factory.mktemp("toy_moe")), seed=0, warm_steps=10, num_experts=4)
+
+
+def _assert_every_tensor_trained(trainer, initial: dict, expected: int):
+    """`trainer`'s policy has `expected` tensors, fused experts among them, and training moved every one of them
+    from `initial`: a tensor a resume leaves at its initial value cannot match the uninterrupted run."""
+    state = trainer.model.state_dict()
+    assert len(state) == expected and state.keys() == initial.keys()
+    assert [k for k in state if k.endswith("experts.gate_up_proj")] and [k for k in state
+                                                                        if k.endswith("experts.down_proj")]
+    assert not [k for k in state if torch.equal(state[k], initial[k])], "tensors not trained"
+
+
+@pytest.mark.timeout(300)
+def test_resume_of_an_moe_policy_restores_every_tensor(toy_moe_dir, tmp_path):
+    """transformers saves an MoE's fused experts as one tensor per expert; the resume converted the checkpoint's keys
+    with (1,)-shaped markers, which the expert split refused (`IndexError: Dimension out of range`), and TRL's own
+    resume restores 23 of the 25 tensors (the experts keep their initial values). Every tensor comes back now: the
+    resumed run ends equal to the uninterrupted one, tensor by tensor."""
+    from transformers import AutoModelForCausalLM
+
+    initial = AutoModelForCausalLM.from_pretrained(toy_moe_dir).state_dict()
+    full, resumed = _full_and_resumed("grpo", toy_moe_dir, tmp_path)
+    _assert_every_tensor_trained(full, initial, MOE_TENSORS)
+    _assert_same_run(full, resumed, STOP)
+
+
+@pytest.mark.timeout(300)
+def test_resume_of_an_moe_vlm_restores_every_tensor(tmp_path):
+    """The same with the tiny Qwen3.5-MoE vision-language model (linear attention, fused experts, a vision tower)."""
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants.toy_vlm import color_reward, make_tiny_vlm, toy_vlm_dataset
+
+    model_dir = make_tiny_vlm(str(tmp_path / "qwen3_5_moe"), "qwen3_5_moe", seed=0)
+    initial = AutoModelForImageTextToText.from_pretrained(model_dir).state_dict()
+    full, resumed = _full_and_resumed("grpo", model_dir, tmp_path, reward=[color_reward], dataset=toy_vlm_dataset(16),
+                                      per_device_train_batch_size=4, bf16=False)
+    _assert_every_tensor_trained(full, initial, len(initial))
+    _assert_same_run(full, resumed, STOP)
+
+
+def _bonus_at_step_1(completions, answer, trainer_state=None, **kwargs):
+    """addition_reward plus 10 at global step 1 (training and evaluation alike): the same shift for a whole group
+    changes no advantage, and the evaluation at step 1 scores best."""
+    from trl_ppo_variants.toy import addition_reward
+
+    bonus = 10.0 if trainer_state.global_step == 1 else 0.0
+    return [r + bonus for r in addition_reward(completions, answer)]
+
+
+@pytest.mark.timeout(300)
+def test_load_best_model_at_end_with_an_moe_policy(toy_moe_dir, tmp_path):
+    """`load_best_model_at_end=True` died at the end of `train()` with an MoE policy (the key conversion's
+    IndexError). Now the policy ends with the best checkpoint's tensors, every one (compared with that checkpoint
+    read by transformers' own `from_pretrained`), not the last step's."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_ppo_variants.toy import addition_dataset
+
+    trainer = make_trainer("grpo", toy_moe_dir, tmp_path, "best", reward=[_bonus_at_step_1], max_steps=3,
+                           save_strategy="steps", save_steps=1, eval_strategy="steps", eval_steps=1,
+                           per_device_eval_batch_size=8, eval_dataset=addition_dataset(8, seed=1),
+                           load_best_model_at_end=True, metric_for_best_model="reward", greater_is_better=True)
+    trainer.train()
+    best = trainer.state.best_model_checkpoint
+    assert best.endswith("checkpoint-1"), best
+    state = trainer.model.state_dict()
+    saved = AutoModelForCausalLM.from_pretrained(best).state_dict()
+    last = AutoModelForCausalLM.from_pretrained(str(tmp_path / "best" / "checkpoint-3")).state_dict()
+    assert len(state) == MOE_TENSORS and state.keys() == saved.keys()
+    assert not [k for k in state if not torch.equal(state[k], saved[k])]
+    assert not [k for k in state if torch.equal(state[k], last[k])]  # every tensor moved after the best step
+
+
+class _Loader:
+    """What `checkpointing.load_model_weights` needs of a trainer."""
+
+    def __init__(self):
+        self.results = []
+
+    def _issue_warnings_after_load(self, result):
+        self.results.append(result)
+
+
+def test_sharded_moe_checkpoint_loads_every_tensor_and_a_missing_expert_is_refused(tmp_path):
+    """A checkpoint in shards whose boundaries cut through a layer's experts (each expert of a fused tensor read from
+    its own shard) loads into another copy of the model with every tensor equal; a checkpoint that lacks one expert
+    is refused in one line instead of leaving that fused tensor as it was."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from trl_ppo_variants.checkpointing import load_model_weights
+    from trl_ppo_variants.toy import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    saved = build_model(tok, seed=0, num_experts=4)
+    saved.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
+    with open(tmp_path / "ckpt" / "model.safetensors.index.json") as f:
+        weight_map = json.load(f)["weight_map"]
+    layer0 = {weight_map[f"model.layers.0.mlp.experts.{e}.{part}.weight"] for e in range(4)
+              for part in ("gate_proj", "up_proj")}
+    assert len(layer0) > 1  # the experts of one fused tensor come from several files
+    loader, model = _Loader(), build_model(tok, seed=1, num_experts=4)
+    assert load_model_weights(loader, model, str(tmp_path / "ckpt"))
+    want, got = saved.state_dict(), model.state_dict()
+    assert len(got) == MOE_TENSORS and got.keys() == want.keys()
+    assert not [k for k in want if not torch.equal(got[k], want[k])]
+    # the tied head is never saved: the model's own `_issue_warnings_after_load` leaves it out
+    assert loader.results[0].unexpected_keys == [] and loader.results[0].missing_keys == ["lm_head.weight"]
+
+    def drop(keys):
+        for shard in {weight_map[k] for k in keys}:
+            path = str(tmp_path / "ckpt" / shard)
+            save_file({k: v for k, v in load_file(path).items() if k not in keys}, path, metadata={"format": "pt"})
+        for k in keys:
+            weight_map.pop(k)
+        with open(tmp_path / "ckpt" / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+    fresh = build_model(tok, seed=2, num_experts=4)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    drop(["model.layers.1.mlp.experts.2.down_proj.weight"])  # one expert of a fused tensor
+    with pytest.raises(ValueError, match=r"^checkpoint .*: expected model\.layers\.1\.mlp\.experts\.down_proj of "
+                                         r"shape \(4, 64, 64\), got \(3, 64, 64\)"):
+        load_model_weights(_Loader(), fresh, str(tmp_path / "ckpt"))
+    drop([f"model.layers.1.mlp.experts.{e}.down_proj.weight" for e in (0, 1, 3)])  # the whole fused tensor
+    with pytest.raises(ValueError, match=r"^checkpoint .*: expected every trained weight of the model, 1 missing "
+                                         r"\(model\.layers\.1\.mlp\.experts\.down_proj\)"):
+        load_model_weights(_Loader(), fresh, str(tmp_path / "ckpt"))
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing was loaded
+
+
+def test_weights_in_another_dtype_come_back_unrounded(tmp_path):
+    """The loader casts each saved tensor to the dtype of the tensor it fills: a head kept in a wider dtype than the
+    rest (what `cast_lm_head_to_fp32` does to a bf16 model) is filled in its own, bit for bit."""
+    from trl_ppo_variants.checkpointing import load_model_weights
+    from trl_ppo_variants.toy import build_model, build_tokenizer
+
+    tok = build_tokenizer()
+    saved = build_model(tok, seed=0, num_experts=4, tie_word_embeddings=False)
+    saved.lm_head.to(torch.float64)
+    with torch.no_grad():
+        saved.lm_head.weight.add_(1e-12)  # not representable in fp32
+    saved.save_pretrained(tmp_path / "ckpt")
+    model = build_model(tok, seed=1, num_experts=4, tie_word_embeddings=False)
+    model.lm_head.to(torch.float64)
+    assert load_model_weights(_Loader(), model, str(tmp_path / "ckpt"))
+    assert model.lm_head.weight.dtype == torch.float64
+    assert not [k for k, v in saved.state_dict().items() if not torch.equal(model.state_dict()[k], v)]

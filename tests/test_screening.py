@@ -3,6 +3,7 @@ dynamic sampling as one loop, for every group estimator; `trl_ppo_variants.GRPOT
 tests/test_dapo.py (tests/scripts/dapo_2proc.py --mode speed); the accumulator's segments in tests/test_selection.py."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -479,3 +480,45 @@ def test_keys_of_image_rows_follow_the_pixels():
     assert screening.prompt_key(several[0]) != screening.prompt_key(several[1])
     # text rows keep their keys (GRESO histories saved before stay valid)
     assert screening.prompt_key({"prompt": "1+2="}) == repr("1+2=")
+
+
+def _nothing(completions, **kwargs):
+    return [None] * len(completions)
+
+
+@pytest.mark.timeout(300)
+def test_unscorable_screenings_count_their_prompts_once(tmp_path, toy_model_dir):
+    """G = 4, N_init = 3: TRL scores a SPEED round in blocks of gcd(3, 4) = 1 row, and the unscorable-run guard
+    counted rows / block prompts, each screened prompt 3 times (10 prompts reported as "30 prompts"), so that it
+    stopped below `min_unscorable_prompts`. It counts the screened prompts now."""
+    args = toy_args(tpv.GRPOConfig, tmp_path, max_steps=2, prompt_selection="speed", screening_num_generations=3,
+                    max_unscorable_batches=1, min_unscorable_prompts=1)
+    trainer = tpv.GRPOTrainer(toy_model_dir, _nothing, args=args, train_dataset=addition_dataset(64, seed=0))
+    with pytest.raises(RuntimeError) as err:
+        trainer.train()
+    found = re.match(r"no completion got a finite reward in 1 consecutive generation batches \((\d+) prompts\)",
+                     str(err.value))
+    assert found, str(err.value)
+    prompts = int(found.group(1))
+    assert trainer.scoring_tally["completions"] == 3 * prompts  # each screened with 3 completions
+
+
+def test_a_screening_and_its_completion_are_one_unscorable_prompt(tmp_path, toy_model_dir):
+    """Consecutive unscorable batches count distinct prompts: a completion of a prompt screened in the same run of
+    unscorable batches adds nothing; a scored batch starts the count again."""
+    args = toy_args(tpv.GRPOConfig, tmp_path, prompt_selection="speed", screening_num_generations=3,
+                    max_unscorable_batches=None)
+    trainer = tpv.GRPOTrainer(toy_model_dir, _nothing, args=args, train_dataset=addition_dataset(64, seed=0))
+    trainer.model.train()
+    unscored = torch.full((6, 1), float("nan"))
+    tally = trainer.scoring_tally
+    trainer.track_scorable(unscored, 1, prompts=[(0, 0), (0, 1)])  # two screenings of 3 rows
+    assert tally["consecutive"] == 1 and tally["consecutive_prompts"] == 2
+    trainer.track_scorable(unscored[:4], 1, prompts=[(0, 1), (0, 2)])  # a completion (1 row) and a screening
+    assert tally["consecutive"] == 2 and tally["consecutive_prompts"] == 3
+    trainer.track_scorable(torch.ones(4, 1), 1, prompts=[(0, 3)])
+    assert tally["consecutive"] == tally["consecutive_prompts"] == 0
+    trainer.track_scorable(unscored[:1], 1, prompts=[(0, 1)])  # a new run of unscorable batches
+    assert tally["consecutive"] == tally["consecutive_prompts"] == 1
+    trainer.track_scorable(unscored, 3)  # whole groups: rows / group size
+    assert tally["consecutive_prompts"] == 3

@@ -130,8 +130,19 @@ def test_the_image_inputs_trl_slices_are_the_ones_selection_moves():
         f"selection.MULTIMODAL_KEYS (how rows keep their images) knows {list(selection.MULTIMODAL_KEYS)}")
 
 
-def test_transformers_weight_renaming_we_undo_on_resume():
-    """`VariantTrainer._load_from_checkpoint` undoes `save_pretrained`'s renaming with transformers' own reverse."""
-    from transformers.core_model_loading import revert_weight_conversion
+def test_transformers_checkpoint_loader_we_call():
+    """`checkpointing.convert_checkpoint` (resume and `load_best_model_at_end`) runs transformers' own checkpoint
+    loader, a private function, on a weightless twin of the model."""
+    import dataclasses
 
-    assert list(inspect.signature(revert_weight_conversion).parameters)[:2] == ["model", "state_dict"]
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    assert list(inspect.signature(get_model_conversion_mapping).parameters)[:1] == ["model"]
+    params = list(inspect.signature(convert_and_load_state_dict_in_model).parameters)
+    assert params[:3] == ["model", "state_dict", "load_config"], (
+        f"transformers' convert_and_load_state_dict_in_model now takes {params}: re-check "
+        "checkpointing.convert_checkpoint")
+    assert "weight_mapping" in {f.name for f in dataclasses.fields(LoadStateDictConfig)}, (
+        "transformers' LoadStateDictConfig has no `weight_mapping` any more: re-check checkpointing.convert_checkpoint")

@@ -223,7 +223,7 @@ def test_checkpoint_weights_load_back_under_the_models_names(vlm_dirs, family, t
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from trl_ppo_variants.trainers.base import checkpoint_to_model_keys
+    from trl_ppo_variants.checkpointing import checkpoint_to_model_keys
 
     model = AutoModelForImageTextToText.from_pretrained(vlm_dirs[family])
     model.save_pretrained(tmp_path / "ckpt")
@@ -233,7 +233,8 @@ def test_checkpoint_weights_load_back_under_the_models_names(vlm_dirs, family, t
     renamed = checkpoint_to_model_keys(model, saved)
     assert set(renamed) <= set(own) and len(renamed) == len(saved)
     assert all(torch.equal(renamed[k], own[k]) for k in renamed)
-    assert checkpoint_to_model_keys(model, renamed) is renamed  # already the model's names: unchanged
+    again = checkpoint_to_model_keys(model, renamed)  # already the model's names: unchanged
+    assert again.keys() == renamed.keys() and all(torch.equal(again[k], renamed[k]) for k in again)
 
 
 def test_models_that_place_their_own_positions_are_told_apart(vlm_dirs):

@@ -8,9 +8,11 @@ its `_step` counter behind. TRL then regenerates the buffer after a resume, with
 task: final weights 1.4e-3 away from the uninterrupted run). This module saves, per process, a small file next to the
 Trainer's own files:
 
-    checkpoint-N/variant_state_rank{r}.pt   {"_step", "buffered_inputs", "metrics", "extra", "world_size", ...}
+    checkpoint-N/variant_state_rank{r}.pt   {"_step", "buffered_inputs", "metrics", "extra", "world_size",
+                                            "scoring_tally", ...}
 
-and restores it on resume. Trainers with state of their own (DAPO's refill position, VAPO's pre-training counter, ...)
+and restores it on resume. `scoring_tally` (the unscorable-run guard's count of the run's generation batches and
+completions) belongs to the run: a run resumed for its last steps judges them with its earlier batches. Trainers with state of their own (DAPO's refill position, VAPO's pre-training counter, ...)
 put it there through `VariantTrainer.extra_state()` / `load_extra_state(state)`.
 
 Atomicity. `Trainer._save_checkpoint` writes straight into `checkpoint-N/` and `get_last_checkpoint` picks the
@@ -22,6 +24,13 @@ fails to load it). Here a save is bracketed by two markers:
 2. after every process has written its files (a barrier), `variant_checkpoint_complete.json` is written atomically
    (temp file + `os.replace`) and the in-progress marker removed.
 
+Model weights. `Trainer` reads a checkpoint's weights back raw (`model.load_state_dict(saved, strict=False)`), but
+transformers 5 saves them in the model's original format, reverting its weight conversions: a VLM's renamed keys, an
+MoE's fused experts split into one tensor per expert. Every such weight is "missing" and silently keeps its value.
+`load_model_weights` (resume and `load_best_model_at_end`) converts the checkpoint with transformers' own loader into
+a weightless twin of the model and copies the result into the live model, refusing a checkpoint that lacks a trained
+weight.
+
 `last_complete_checkpoint` (used for `resume_from_checkpoint=True`) skips directories without the complete marker;
 directories written by another trainer (no marker of ours at all) are accepted when their `trainer_state.json` parses,
 as transformers would. `save_total_limit` rotation runs only after the marker, so the last complete checkpoint is
@@ -30,6 +39,8 @@ never deleted before its successor is complete.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import re
@@ -172,7 +183,8 @@ def begin_checkpoint(trainer, output_dir: str) -> None:
 
 
 def trainer_state_dict(trainer) -> dict:
-    """This process's in-flight state: the generation buffer and its counter, unlogged metrics, extra state."""
+    """This process's in-flight state: the generation buffer and its counter, unlogged metrics, the scoring tally,
+    extra state."""
     generate_every = trainer.args.steps_per_generation * trainer.num_iterations
     step = int(trainer._step)
     # at a block boundary the buffer is about to be regenerated: it would be dead weight in the checkpoint
@@ -185,6 +197,7 @@ def trainer_state_dict(trainer) -> dict:
         "_step": step,
         "buffered_inputs": buffered,
         "metrics": {k: list(v) for k, v in trainer._metrics["train"].items()},
+        "scoring_tally": dict(trainer.scoring_tally),
         "extra": trainer.extra_state(),
     }
 
@@ -265,6 +278,8 @@ def load_trainer_state(trainer, checkpoint: str) -> bool:
         return False
     # our own file, written by `save_trainer_state`; it holds tensors and Python containers (not only weights)
     state = torch.load(path, map_location=trainer.accelerator.device, weights_only=False)
+    # the same on every process and for any number of them (counted on gathered rewards)
+    trainer.scoring_tally.update(state.get("scoring_tally") or {})
     if state.get("world_size") != trainer.accelerator.num_processes:
         warnings.warn(
             f"{checkpoint} was written by {state.get('world_size')} processes, resuming with "
@@ -278,6 +293,117 @@ def load_trainer_state(trainer, checkpoint: str) -> bool:
     for key, values in state.get("metrics", {}).items():
         metrics[key].extend(values)
     trainer.load_extra_state(state.get("extra") or {})
+    return True
+
+
+# --------------------------------------------------------------------------------------------- model weights
+#: a checkpoint's full-model weight files, in the order transformers prefers them: (single file, sharded index)
+WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+
+
+def weight_files(folder: str) -> list[str]:
+    """The files that hold the full model's weights in the checkpoint folder `folder` (every shard of a sharded one),
+    or [] when it holds none (an adapter's checkpoint, FSDP's sharded state, a folder without weights)."""
+    for single, index in WEIGHT_FILES:
+        if os.path.isfile(os.path.join(folder, single)):
+            return [os.path.join(folder, single)]
+        if os.path.isfile(os.path.join(folder, index)):
+            with open(os.path.join(folder, index)) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            return [os.path.join(folder, shard) for shard in shards]
+    return []
+
+
+def _read_weights(files: list[str], stack: contextlib.ExitStack) -> dict:
+    """Every tensor of `files` by its saved name: safetensors lazily (slices, read when converted), torch files
+    whole. Open files stay open until `stack` closes."""
+    from safetensors import safe_open
+
+    state = {}
+    for file in files:
+        if file.endswith(".safetensors"):
+            handle = stack.enter_context(safe_open(file, framework="pt", device="cpu"))
+            state.update({key: handle.get_slice(key) for key in handle.keys()})
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state
+
+
+def _meta_twin(model):
+    """A weightless copy of `model`'s class and config (meta tensors), each tensor in the dtype of the model's own
+    (a `cast_lm_head_to_fp32` head stays fp32): what transformers' loader fills without rounding anything."""
+    with torch.device("meta"):
+        twin = type(model)(copy.deepcopy(model.config))
+    own = model.state_dict()
+    for name, tensor in twin.state_dict(keep_vars=True).items():
+        if name in own and own[name].dtype != tensor.dtype:
+            tensor.data = tensor.data.to(own[name].dtype)
+    return twin
+
+
+def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
+    """The tensors of a state dict written by `save_pretrained` under the model's own keys and layout, ready for
+    `model.load_state_dict`; keys of the model the checkpoint does not hold are absent. Values may be tensors or
+    safetensors slices. See `convert_checkpoint`."""
+    return convert_checkpoint(model, state_dict)[0]
+
+
+def convert_checkpoint(model, state_dict: dict, source: str = "checkpoint") -> tuple[dict, set[str]]:
+    """(`checkpoint_to_model_keys`, the keys of the model's class): a `save_pretrained` state dict is in the model's
+    original format (transformers 5 reverts its weight conversions on save: a VLM's "model.language_model.*" becomes
+    "language_model.model.*", an MoE's fused `experts.gate_up_proj` one `gate_proj` and one `up_proj` per expert).
+
+    transformers' own checkpoint loader (`convert_and_load_state_dict_in_model`, what `from_pretrained` runs) does the
+    conversion, with the mapping the model was saved with (`_weight_conversions`, else its class's), into a
+    weightless twin of the model (`_meta_twin`): the live model's parameters (the optimizer's, DDP's, tied ones) are
+    only ever copied into, never replaced. A checkpoint key the class does not know but the live model holds verbatim
+    (a PPO policy's attached critic, in checkpoints written before the critic was saved apart) is passed through."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    twin = _meta_twin(model)
+    mapping = getattr(model, "_weight_conversions", None)
+    # a copy: loading marks the transforms it used, and the model saves with those marked at its own load
+    mapping = copy.deepcopy(mapping if mapping is not None else get_model_conversion_mapping(model))
+    info, _ = convert_and_load_state_dict_in_model(twin, state_dict, LoadStateDictConfig(weight_mapping=mapping))
+    if info.mismatched_keys:  # e.g. an expert missing from a fused tensor
+        key, shape, expected = sorted(info.mismatched_keys)[0]
+        raise ValueError(f"{source}: expected {key} of shape {tuple(expected)}, got {tuple(shape)} from its saved "
+                         f"tensors ({len(info.mismatched_keys)} such)")
+    twin_state = twin.state_dict()
+    converted = {key: value for key, value in twin_state.items() if not value.is_meta}
+    own = model.state_dict()
+    converted.update({key: value if isinstance(value, torch.Tensor) else value[:]
+                      for key, value in state_dict.items() if key in info.unexpected_keys and key in own})
+    return converted, set(twin_state)
+
+
+def load_model_weights(trainer, model, folder: str) -> bool:
+    """Load the model weights of the checkpoint folder `folder` into `model` in place, every trained weight of the
+    model's class included (`convert_checkpoint`); False, with nothing done, when this is not the path: `model` is
+    not a plain transformers model (a PEFT model: its adapter), or the folder holds no full-model weights.
+
+    transformers' `Trainer` reads the files and calls `model.load_state_dict(saved, strict=False)`: weights saved in
+    another format than the model's are "missing" and silently keep their values (a VLM's 57 of 58, an MoE's fused
+    experts: trl.GRPOTrainer resumes a tiny Qwen3-MoE with 23 of its 25 tensors). Here a trained weight of the
+    model's class that the checkpoint does not restore is an error."""
+    from transformers import PreTrainedModel
+
+    files = weight_files(folder)
+    if not files or not isinstance(model, PreTrainedModel):
+        return False
+    with contextlib.ExitStack() as stack:
+        converted, owned = convert_checkpoint(model, _read_weights(files, stack), f"checkpoint {folder}")
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    lost = [name for name, param in model.named_parameters()
+            if name in owned and param.requires_grad and name not in converted and name not in tied]
+    if lost:
+        raise ValueError(f"checkpoint {folder}: expected every trained weight of the model, {len(lost)} missing "
+                         f"({', '.join(lost[:3])}{', ...' if len(lost) > 3 else ''}): they would keep their "
+                         "current values")
+    trainer._issue_warnings_after_load(model.load_state_dict(converted, strict=False))
     return True
 
 

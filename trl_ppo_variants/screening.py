@@ -492,12 +492,16 @@ class PromptSelection:
         share = len(rows) // world
         return [dict(r) for r in rows[rank * share : (rank + 1) * share]], segments
 
-    def _generate_round(self, round_inputs: list) -> dict:
+    def _generate_round(self, round_inputs: list, segments: list | None) -> dict:
         """TRL's own generation and scoring of a round (its `num_generations` set to the round's block size)."""
         t = self.trainer
+        # a round is a generation batch for `max_unscorable_batches`; its prompts are its segments' (rows / block
+        # would count a screened prompt N_init / block times), named by TRL's micro-step of this generation batch
+        # and their key within it, shared by a screening and its completion
+        prompts = None if segments is None else [(t._step, segment.key) for segment in segments]
         saved, t.num_generations = t.num_generations, self.block
         try:
-            output = t.score_rollout(round_inputs)  # each round is a generation batch (max_unscorable_batches)
+            output = t.score_rollout(round_inputs, prompts)
         finally:
             t.num_generations = saved
         return output
@@ -557,7 +561,7 @@ class PromptSelection:
             if screen or complete:
                 rows_of.update(screen)
                 round_inputs, segments = self._layout(screen, complete)
-            output = self._generate_round(round_inputs)
+            output = self._generate_round(round_inputs, segments)
             rewards_per_func = t._captured_rewards_per_func
             kl = t._reward_kl(output)
             if kl is not None:

@@ -59,12 +59,15 @@ def build_tokenizer():
     return fast
 
 
-def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, tie_word_embeddings: bool = True):
-    """A random Qwen3 causal LM sized for CPU tests (about 0.1M parameters)."""
+def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2, tie_word_embeddings: bool = True,
+                num_experts: int = 0):
+    """A random Qwen3 causal LM sized for CPU tests (about 0.1M parameters); with `num_experts`, a Qwen3-MoE whose MLPs
+    are that many experts (2 routed per token; transformers 5 fuses them into one `gate_up_proj` and one `down_proj`
+    per layer, saved as one tensor per expert)."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = _toy_config(tokenizer, hidden_size, num_layers)
+    config = _toy_config(tokenizer, hidden_size, num_layers, num_experts=num_experts)
     config.tie_word_embeddings = tie_word_embeddings
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -72,10 +75,13 @@ def build_model(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int
     return model
 
 
-def _toy_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, **extra):
-    from transformers import Qwen3Config
+def _toy_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_experts: int = 0, **extra):
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    return Qwen3Config(
+    if num_experts:
+        extra.update(num_experts=num_experts, num_experts_per_tok=2, moe_intermediate_size=hidden_size,
+                     norm_topk_prob=True)
+    return (Qwen3MoeConfig if num_experts else Qwen3Config)(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -204,15 +210,17 @@ def greedy_accuracy(model, tokenizer, max_digit: int = 4, max_new_tokens: int = 
 
 
 def make_toy_checkpoint(path: str | None = None, seed: int = 0, warm_steps: int = 40, hidden_size: int = 64,
-                        tie_word_embeddings: bool = True) -> str:
+                        tie_word_embeddings: bool = True, num_experts: int = 0) -> str:
     """Build, warm-start and save the tiny model and tokenizer to `path` (a temp dir when None); return the path.
 
     TRL reloads the reference model from this path when `beta != 0`, hence a real directory on disk. vLLM's CPU
     attention refuses head dimensions below 32: `hidden_size=128` (head_dim 32) is the smallest model it serves.
+    `num_experts`: a mixture-of-experts model (`build_model`).
     """
     path = path or tempfile.mkdtemp(prefix="toy_model_")
     tok = build_tokenizer()
-    model = build_model(tok, seed=seed, hidden_size=hidden_size, tie_word_embeddings=tie_word_embeddings)
+    model = build_model(tok, seed=seed, hidden_size=hidden_size, tie_word_embeddings=tie_word_embeddings,
+                        num_experts=num_experts)
     if warm_steps:
         warm_start(model, tok, steps=warm_steps, seed=seed)
     os.makedirs(path, exist_ok=True)

@@ -351,46 +351,6 @@ def accepts_trl_positional(init):
     return wrapper
 
 
-def checkpoint_to_model_keys(model, state_dict: dict) -> dict:
-    """A state dict saved by `save_pretrained` (keys in the model's original format: transformers 5 reverts its
-    renamings on save) with the keys the model's `load_state_dict` expects. Only renamings are undone (a conversion
-    that merges or splits tensors is left to transformers); a state dict already in the model's keys is returned as
-    it is."""
-    from transformers import PreTrainedModel
-
-    own = model.state_dict().keys()
-    if not isinstance(model, PreTrainedModel) or set(state_dict) <= set(own):
-        return state_dict
-    from transformers.core_model_loading import revert_weight_conversion
-
-    # each key carries its index through the reverse conversion: a pure renaming keeps it whole
-    markers = {key: torch.tensor([float(i)]) for i, key in enumerate(own)}
-    names = list(own)
-    saved = revert_weight_conversion(model, dict(markers))
-    if any(v.shape != (1,) for v in saved.values()):
-        return state_dict
-    renamed = {key: names[int(v.item())] for key, v in saved.items()}
-    return {renamed.get(key, key): value for key, value in state_dict.items()}
-
-
-@contextlib.contextmanager
-def loads_checkpoint_keys(model):
-    """While active, `model.load_state_dict` takes a checkpoint's keys (`checkpoint_to_model_keys`).
-
-    transformers 5 saves a checkpoint's weights under the model's original names (`save_pretrained` reverts its key
-    conversions: a VLM's "model.language_model.*" is saved as "language_model.model.*"), but `Trainer`'s resume
-    (`_load_from_checkpoint`, sharded or not) and `_load_best_model` load them back raw and non-strict: every weight
-    "missing", the model silently keeps the weights it had. trl.GRPOTrainer inherits this (TRL 1.16, transformers
-    5.25: a Qwen2-VL checkpoint read back leaves 57 of its 58 weights as they were)."""
-    load = model.load_state_dict
-    model.__dict__["load_state_dict"] = lambda state_dict, *a, **k: load(
-        checkpoint_to_model_keys(model, state_dict), *a, **k)
-    try:
-        yield
-    finally:
-        del model.__dict__["load_state_dict"]
-
-
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -420,6 +380,7 @@ class VariantTrainer(GRPOTrainer):
         #: completions and generation batches of this run's training, and how many had no finite reward
         self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "consecutive_prompts": 0,
                               "completions": 0, "unscorable_completions": 0}
+        self._unscorable_prompts = set()  # the prompts counted in "consecutive_prompts" (`track_scorable`)
         # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
         # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
         # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
@@ -499,12 +460,19 @@ class VariantTrainer(GRPOTrainer):
             checkpointing.load_trainer_state(self, checkpoint)
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        with loads_checkpoint_keys(model if model is not None else self.model):
+        # transformers loads the saved weights raw: those saved in another format than the model's (a VLM's names, an
+        # MoE's experts) would keep their values (checkpointing.load_model_weights)
+        if self.is_fsdp_enabled or not checkpointing.load_model_weights(
+                self, model if model is not None else self.model, resume_from_checkpoint):
             super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_best_model(self):
-        with loads_checkpoint_keys(self.model):
+        best = self.state.best_model_checkpoint
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled or not checkpointing.load_model_weights(
+                self, self.model, best):
             super()._load_best_model()
+        else:
+            logger.info(f"Loaded the best model from {best} (score: {self.state.best_metric}).")
 
     def _issue_warnings_after_load(self, load_result):
         # a tied weight (Gemma3's lm_head) is not saved, so it is "missing" from every checkpoint: not worth a warning
@@ -528,12 +496,17 @@ class VariantTrainer(GRPOTrainer):
         return output
 
     # -------------------------------------------------------------------------------------------- unscorable rewards
-    def track_scorable(self, rewards_per_func: torch.Tensor, group_size: int) -> None:
+    def track_scorable(self, rewards_per_func: torch.Tensor, group_size: int, prompts=None) -> None:
         """Count a training generation batch's completions that no reward function scored (every entry of their row
         NaN: advantage 0, nothing learned from them) into `scoring_tally`; after `max_unscorable_batches`
-        consecutive batches without one scored completion that hold `min_unscorable_prompts` prompts (rows /
-        `group_size`) or more, stop with a one-line error. `rewards_per_func` is the gathered (N, F) table, the same
-        on every process, so every process stops at the same batch."""
+        consecutive batches without one scored completion that hold `min_unscorable_prompts` prompts or more, stop
+        with a one-line error. `rewards_per_func` is the gathered (N, F) table, the same on every process, so every
+        process stops at the same batch.
+
+        A batch's prompts are its rows / `group_size` (whole groups), or `prompts`, the identities (hashable, unique
+        within the run) of the prompts whose rows it holds when its row blocks are parts of groups (SPEED's
+        screenings and completions): a prompt counts once in a run of unscorable batches, its screening and its
+        completion being one prompt."""
         if not self.model.training:
             return
         columns = self.scorable_columns()
@@ -547,10 +520,16 @@ class VariantTrainer(GRPOTrainer):
         tally["unscorable_completions"] += unscored
         if unscored < total or total == 0:
             tally["consecutive"] = tally["consecutive_prompts"] = 0
+            self._unscorable_prompts.clear()
             return
         tally["unscorable_batches"] += 1
         tally["consecutive"] += 1
-        tally["consecutive_prompts"] += -(-total // max(group_size, 1))
+        if prompts is None:
+            tally["consecutive_prompts"] += -(-total // max(group_size, 1))
+        else:
+            new = set(prompts) - self._unscorable_prompts
+            self._unscorable_prompts |= new
+            tally["consecutive_prompts"] += len(new)
         limit = self.args.max_unscorable_batches
         if limit is not None and tally["consecutive"] >= limit and (
                 tally["consecutive_prompts"] >= self.args.min_unscorable_prompts):
@@ -688,12 +667,13 @@ class VariantTrainer(GRPOTrainer):
         output = self.score_rollout(inputs)
         return self._replace_advantages(output, inputs)
 
-    def score_rollout(self, inputs: list) -> dict:
+    def score_rollout(self, inputs: list, prompts=None) -> dict:
         """TRL's generation and scoring of the rows `inputs` (groups of `num_generations`), counted by
-        `track_scorable`. Every generation batch of every trainer passes here, each round of a prompt selection
-        too, so the unscorable-run guard holds whether or not a trainer replaces TRL's advantages."""
+        `track_scorable` (`prompts`: see there). Every generation batch of every trainer passes here, each round of
+        a prompt selection too, so the unscorable-run guard holds whether or not a trainer replaces TRL's
+        advantages."""
         output = super()._generate_and_score_completions(inputs)
-        self.track_scorable(self._captured_rewards_per_func, self.num_generations)
+        self.track_scorable(self._captured_rewards_per_func, self.num_generations, prompts)
         return output
 
     def _compute_loss(self, model, inputs):
