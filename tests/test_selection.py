@@ -530,6 +530,31 @@ def test_selected_rows_keep_their_own_images(family):
         _assert_same_layout(got, _trl_layout(family, [rows[i] for i in keep]), family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_chunks_give_rows_without_images_no_image_inputs(family):
+    """A forward's chunks of rows (TRL's reference / old log-prob chunks, the critic's): each chunk gets its own rows'
+    image inputs in TRL's layout, and a chunk without any image none at all (TRL's slicing gives it empty image
+    tensors). A micro-batch of TRL's split without an image (empty tensors, zero counts) gets none either."""
+    from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+
+    rows, rollout = _vlm_rollout(family, [1, 0, 0, 0, 2, 1])
+    fields = selection.image_inputs(rollout)
+    chunks = selection.image_chunks(fields, len(rows), batch_size=2)
+    assert [(start, end) for start, end, _ in chunks] == [(0, 2), (2, 4), (4, 6)]
+    assert chunks[1][2] == {}
+    for start, end, images in (chunks[0], chunks[2]):
+        expected = selection.image_inputs(_trl_layout(family, rows[start:end]))
+        # per-token types keep the batch's columns (the chunk's input_ids are the batch's rows)
+        expected.update({key: fields[key][start:end] for key in selection.SPANNING_KEYS if key in fields})
+        _assert_same_layout(images, expected, family)
+    assert selection.image_chunks(fields, len(rows)) == [(0, 6, fields)]  # one chunk with images: as it is
+    per_row = split_pixel_values_by_grid(fields)  # TRL's micro-batch of rows 1 and 2
+    micro = unsplit_pixel_values_by_grid({key: value[1:3] for key, value in per_row.items()})
+    assert micro.get("pixel_values") is not None
+    assert selection.image_chunks(micro, 2) == [(0, 2, {})]
+    assert selection.image_chunks(micro, 2, batch_size=1) == [(0, 1, {}), (1, 2, {})]
+
+
 def test_misaligned_images_are_detected():
     """The check above fails if images are kept in their old order: the helper is not vacuous."""
     rows, rollout = _vlm_rollout("qwen2_vl", [1, 2, 1])

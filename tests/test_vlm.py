@@ -76,7 +76,7 @@ QUICK = {("qwen2_vl", name) for name in SPECS} | {("gemma3", name) for name in (
 def _make(name, model_dir, tmp_path, dataset=None, callbacks=None, **overrides):
     import trl_ppo_variants as V
 
-    config_name, trainer_name, spec, kwargs, reward = SPECS[name]
+    config_name, trainer_name, spec, kwargs, reward = {**SPECS, **VALUE_SPECS}[name]
     settings = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=8, max_steps=2, learning_rate=0.05, logging_steps=1, report_to=[],
                     use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
@@ -192,6 +192,81 @@ def test_a_batch_mixing_prompts_with_and_without_images_trains(vlm_dirs, family,
     trainer = _make("dapo", vlm_dirs[family], tmp_path, dataset=_some_prompts_without_images())
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+#: trainers beyond SPECS for the mixed-batch test: critics (PPO, VAPO: chunked at rollout, a micro-batch in the loss)
+#: and ReMax's greedy rows
+VALUE_SPECS = {
+    "ppo": ("PPOConfig", "PPOTrainer", {}, {}, color_reward),
+    "vapo": ("VAPOConfig", "VAPOTrainer", {"value_pretrain_steps": 0}, {}, color_reward),
+    "remax": ("ReMaxConfig", "ReMaxTrainer", {}, {}, color_reward),
+}
+#: every trainer family, with accumulation 2: TRL's micro-batch split, its reference forward's chunks (rloo_kl, ppo),
+#: DAPO's rounds, TTRL's split, the critic's chunks, ReMax's greedy rows
+MIXED = ("grpo", "rloo_kl", "dapo", "ttrl", "ppo", "vapo", "remax")
+QUICK_MIXED = {("gemma3", "grpo"), ("gemma3", "ppo"), ("gemma3", "ttrl"), ("qwen2_5_vl", "rloo_kl"),
+               ("qwen2_5_vl", "dapo"), ("qwen2_5_vl", "vapo"), ("qwen2_5_vl", "remax")}
+
+
+@pytest.fixture
+def forward_images(monkeypatch):
+    """(rows, shape of `pixel_values`, `image_sizes` as a list; None where not given) of every forward pass TRL's
+    `_get_per_token_logps_and_entropies` runs (policy, reference, old log-probs; each chunk of the package's own split
+    once)."""
+    from trl import GRPOTrainer
+
+    seen = []
+    inner = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, *args, pixel_values=None, **kwargs):
+        sizes = kwargs.get("image_sizes")
+        seen.append((input_ids.shape[0], None if pixel_values is None else tuple(pixel_values.shape),
+                     None if sizes is None else sizes.tolist()))
+        return inner(self, model, input_ids, *args, pixel_values=pixel_values, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,name", [
+    pytest.param(family, name, marks=() if (family, name) in QUICK_MIXED else pytest.mark.slow)
+    for family in ("gemma3", "qwen2_5_vl") for name in MIXED])
+def test_prompts_with_and_without_images_train_with_gradient_accumulation(vlm_dirs, family, name, tmp_path,
+                                                                          forward_images):
+    """One prompt in four has an image, accumulation 2 (issue 33): a micro-batch or a chunk of the reference, policy
+    or critic forward without an image got empty image tensors, which the vision towers refuse (Gemma3: "cannot
+    reshape tensor of 0 elements", Qwen2.5-VL: "torch.cat(): expected a non-empty list"). Each such subset now goes
+    text-only, as TRL gives a text-only batch; the others keep their images."""
+    from trl_ppo_variants.toy_vlm import toy_vlm_mixed_dataset
+
+    # unshuffled, every generation batch holds 4 prompts, one with an image: its 8 (trained) rows, 2 of them with the
+    # image, make 4 micro-batches of 2 rows (2 optimizer steps of 2), so 2 or more have no image whatever TRL's shuffle
+    layout = dict(per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=2,
+                  steps_per_generation=4, shuffle_dataset=False)
+    if name == "ttrl":  # 4 votes, 2 trained per prompt
+        layout.update(per_device_train_batch_size=4, num_generations=4)
+    trainer = _make(name, vlm_dirs[family], tmp_path, dataset=toy_vlm_mixed_dataset(16), **layout)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in trainer.state.log_history if "loss" in log)
+    # forwards with images and forwards of image-less subsets (of batches with an image) ran; none got empty images
+    assert all(images is None or images[0] > 0 for _, images, _ in forward_images), forward_images
+    assert any(images is None for _, images, _ in forward_images), forward_images
+    assert any(images for _, images, _ in forward_images), forward_images
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_kl_at_step_zero_is_zero_with_image_less_reference_chunks(vlm_dirs, family, tmp_path):
+    """Policy == reference, one prompt in four with an image, the reference forward in chunks of 4 rows (the second
+    without an image): the KL in the reward is 0 per token against the log-probs recorded while generating, so each
+    chunk's rows were scored with their own images (and the image-less ones with none)."""
+    from trl_ppo_variants.toy_vlm import toy_vlm_mixed_dataset
+
+    trainer = _make("rloo_kl", vlm_dirs[family], tmp_path, dataset=toy_vlm_mixed_dataset(8), num_generations=2)
+    output, kl = _rollout(trainer, family_rows=4)
+    assert output["num_images"] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert kl[output["completion_mask"].bool()].abs().max().item() < FP32_BOUND
 
 
 @pytest.mark.slow

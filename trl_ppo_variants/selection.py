@@ -656,6 +656,30 @@ def image_rows(fields: dict, rows, num_rows: int) -> dict:
     return unpack_multimodal(take_rows(pack_multimodal(fields, num_rows), rows, num_rows))
 
 
+def image_chunks(fields: dict, num_rows: int, batch_size: int | None = None) -> list[tuple[int, int, dict]]:
+    """Consecutive chunks `(start, end, image_inputs)` of `batch_size` rows (all `num_rows` rows in one when None or
+    0) of a batch whose image inputs `fields` are in TRL's layout (`None` entries ignored), each chunk with its own
+    rows' image inputs in TRL's layout, the chunk's forward pass takes.
+
+    A chunk without any image gets no image input at all, as TRL gives a text-only batch: TRL's own slicing (its
+    `_get_per_token_logps_and_entropies` chunks, its micro-batch split in `_prepare_inputs`) gives such a chunk empty
+    image tensors, which the vision towers refuse (Gemma3's SigLIP: "cannot reshape tensor of 0 elements", Qwen2.5-VL:
+    "torch.cat(): expected a non-empty list"). One chunk holding an image gets `fields` as they are; several chunks
+    are taken from one packing (`pack_multimodal`, then `take_rows` / `unpack_multimodal` per chunk).
+    """
+    fields = {key: value for key, value in fields.items() if value is not None}
+    size = batch_size or num_rows
+    bounds = [(start, min(start + size, num_rows)) for start in range(0, num_rows, max(size, 1))]
+    if not any(key in MULTIMODAL_KEYS for key in fields):
+        return [(start, end, {}) for start, end in bounds]
+    if len(bounds) == 1:
+        counts = [fields[key] for key in COUNT_KEYS if key in fields]
+        images = fields if not counts or any(any(c) for c in counts) else {}
+        return [(0, num_rows, images)]
+    packed = pack_multimodal(fields, num_rows)
+    return [(start, end, unpack_multimodal(take_rows(packed, range(start, end), num_rows))) for start, end in bounds]
+
+
 def _empty_rows_like(key: str, template: torch.Tensor, part: dict) -> torch.Tensor:
     """A packed entry `key` for the rows of a rollout `part` that has none (a round whose prompts had no image): no
     images, zero token types, shaped and typed like `template` (the entry of another part)."""
