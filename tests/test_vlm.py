@@ -15,6 +15,7 @@ from trl_ppo_variants.toy_vlm import VLM_FAMILIES, color_reward, make_tiny_vlm, 
 
 #: per-token bound on |recorded - forward| and on the step-0 KL in fp32 (measured 9.5e-7 on both families)
 FP32_BOUND = 1e-5
+PAD = 0
 
 
 @pytest.fixture(scope="module")
@@ -267,6 +268,84 @@ def test_kl_at_step_zero_is_zero_with_image_less_reference_chunks(vlm_dirs, fami
     output, kl = _rollout(trainer, family_rows=4)
     assert output["num_images"] == [1, 1, 0, 0, 0, 0, 0, 0]
     assert kl[output["completion_mask"].bool()].abs().max().item() < FP32_BOUND
+
+
+@pytest.fixture(scope="module")
+def llava_next_dir(tmp_path_factory):
+    return make_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "llava_next"), "llava_next", seed=0)
+
+
+def _solid_image_prompts(colors, sizes):
+    """One prompt a colour about a solid image of that colour and size (width, height): LLaVA-NeXT gives a 32x32
+    image 2 entries (its base view and 1 tile), a 64x32 one 3."""
+    from datasets import Dataset
+    from PIL import Image
+
+    from trl_ppo_variants.toy_vlm import COLORS
+
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the image?"}]}]
+    return Dataset.from_dict({"prompt": [question] * len(colors), "answer": list(colors),
+                              "image": [Image.new("RGB", size, COLORS[c]) for c, size in zip(colors, sizes)]})
+
+
+@pytest.mark.timeout(300)
+def test_llava_next_rounds_of_other_tile_counts_train(llava_next_dir, tmp_path, forward_images):
+    """DAPO's rounds with LLaVA-NeXT (issue 33): the first round's images are square (2 entries an image), its refill's
+    2:1 (3 entries); joining the rounds failed ("Sizes of tensors must match except in dimension 0"). Unshuffled, the
+    first round is prompts 0 and 1: prompt 1's colour is easy (no spread: dropped), so the step keeps prompt 0's
+    square group and a refilled 2:1 one, trained in one forward whose square image is padded with a zero tile."""
+    dataset = _solid_image_prompts(["purple", "red", "orange", "black", "white", "purple", "orange", "black"],
+                                   [(32, 32)] * 2 + [(64, 32)] * 6)
+    trainer = _make("dapo", llava_next_dir, tmp_path, dataset=dataset, per_device_train_batch_size=4,
+                    num_generations=2, max_steps=1, shuffle_dataset=False)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    logs = {k: v for log in trainer.state.log_history for k, v in log.items()}
+    assert logs["dapo/rounds"] == 2 and logs["dapo/groups_kept"] == 2
+    # the loss's batch: a square image (32 x 32, its 2 entries padded to 3) and 2:1 ones (32 high, 64 wide)
+    ((rows, pixels, sizes),) = forward_images
+    assert rows == 4 and pixels == (4, 3, 3, 32, 32) and sorted(sizes)[0] == [32, 32] and [32, 64] in sizes
+
+
+def test_a_padded_tile_never_reaches_the_vision_tower(llava_next_dir):
+    """A square image's row joined with a 2:1 image's row (`concat_rollouts`, then TRL's layout back): its image is
+    padded with a zero tile to the other's 3 entries, which LLaVA-NeXT drops by the row's own `image_sizes` (the
+    padding is never a real tile): the row's log-probs are those of the row alone, with its 2 entries."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants.toy_vlm import load_tiny_vlm_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_next_dir).eval()
+    processor = load_tiny_vlm_processor(llava_next_dir)
+    dataset = _solid_image_prompts(["purple", "orange"], [(32, 32), (64, 32)])
+    completion = processor.tokenizer("it is purple", add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def rollout(i):
+        text = processor.apply_chat_template(dataset[i]["prompt"], tokenize=False, add_generation_prompt=True)
+        inputs = processor(images=[dataset[i]["image"]], text=[text], return_tensors="pt")
+        return {"prompt_ids": inputs["input_ids"], "prompt_mask": inputs["attention_mask"],
+                "completion_ids": completion, "completion_mask": torch.ones_like(completion),
+                "pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"], "num_images": [1]}
+
+    def logps(batch):
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, pixel_values=batch["pixel_values"],
+                           image_sizes=batch["image_sizes"]).logits[:, -completion.shape[1] - 1 : -1]
+        return logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    square, wide = rollout(0), rollout(1)
+    assert square["pixel_values"].shape[1] == 2 and wide["pixel_values"].shape[1] == 3
+    joined = selection.concat_rollouts([selection.row_entries(square, 1), selection.row_entries(wide, 1)], PAD)
+    batch = selection.redistribute_rows(SimpleNamespace(num_processes=1, process_index=0), joined,
+                                        torch.zeros(2, dtype=torch.long), PAD)
+    assert batch["pixel_values"].shape[1] == 3 and not batch["pixel_values"][0, 2].any()  # a zero tile
+    assert torch.equal(batch["pixel_values"][0, :2], square["pixel_values"][0])
+    torch.testing.assert_close(logps(batch)[0], logps(square)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logps(batch)[1], logps(wide)[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
