@@ -288,23 +288,34 @@ def _solid_image_prompts(colors, sizes):
                               "image": [Image.new("RGB", size, COLORS[c]) for c, size in zip(colors, sizes)]})
 
 
+#: prompt selections whose rounds are joined: (config overrides, the loss batch's rows); SPEED screens 2 of 4
+TILE_ROUNDS = {"dapo": ({"num_generations": 2, "per_device_train_batch_size": 4}, 4),
+               "speed": ({"num_generations": 4, "per_device_train_batch_size": 8}, 8),
+               "greso": ({"num_generations": 2, "per_device_train_batch_size": 4}, 4)}
+
+
 @pytest.mark.timeout(300)
-def test_llava_next_rounds_of_other_tile_counts_train(llava_next_dir, tmp_path, forward_images):
-    """DAPO's rounds with LLaVA-NeXT (issue 33): the first round's images are square (2 entries an image), its refill's
-    2:1 (3 entries); joining the rounds failed ("Sizes of tensors must match except in dimension 0"). Unshuffled, the
-    first round is prompts 0 and 1: prompt 1's colour is easy (no spread: dropped), so the step keeps prompt 0's
-    square group and a refilled 2:1 one, trained in one forward whose square image is padded with a zero tile."""
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "dapo" else pytest.mark.slow) for n in TILE_ROUNDS])
+def test_llava_next_rounds_of_other_tile_counts_train(llava_next_dir, tmp_path, forward_images, name):
+    """Prompt selection's rounds with LLaVA-NeXT (issue 33): the first round's images are square (2 entries an image),
+    the refills' 2:1 (3 entries); joining the rounds failed ("Sizes of tensors must match except in dimension 0").
+    Unshuffled, the first round is prompts 0 and 1: prompt 1's colour is easy (no spread: dropped), so the step
+    keeps prompt 0's square group and a refilled 2:1 one, trained in one forward whose square image is padded with a
+    zero tile."""
     dataset = _solid_image_prompts(["purple", "red", "orange", "black", "white", "purple", "orange", "black"],
                                    [(32, 32)] * 2 + [(64, 32)] * 6)
-    trainer = _make("dapo", llava_next_dir, tmp_path, dataset=dataset, per_device_train_batch_size=4,
-                    num_generations=2, max_steps=1, shuffle_dataset=False)
+    overrides, rows = TILE_ROUNDS[name]
+    trainer = _make(name, llava_next_dir, tmp_path, dataset=dataset, max_steps=1, shuffle_dataset=False, **overrides)
     trainer.train()
     assert trainer.state.global_step == 1
+    prefix = "selection" if name == "greso" else "dapo"
     logs = {k: v for log in trainer.state.log_history for k, v in log.items()}
-    assert logs["dapo/rounds"] == 2 and logs["dapo/groups_kept"] == 2
-    # the loss's batch: a square image (32 x 32, its 2 entries padded to 3) and 2:1 ones (32 high, 64 wide)
-    ((rows, pixels, sizes),) = forward_images
-    assert rows == 4 and pixels == (4, 3, 3, 32, 32) and sorted(sizes)[0] == [32, 32] and [32, 64] in sizes
+    assert logs[f"{prefix}/rounds"] >= 2 and logs[f"{prefix}/groups_kept"] == 2
+    # the loss's batch (the last forward): a square image (32 x 32, its 2 entries padded to 3) and 2:1 ones (32 high,
+    # 64 wide)
+    batch_rows, pixels, sizes = forward_images[-1]
+    assert batch_rows == rows and pixels == (rows, 3, 3, 32, 32), forward_images
+    assert [32, 32] in sizes and [32, 64] in sizes, forward_images
 
 
 def test_a_padded_tile_never_reaches_the_vision_tower(llava_next_dir):
