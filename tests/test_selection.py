@@ -557,6 +557,10 @@ def test_image_chunks_give_rows_without_images_no_image_inputs(family):
     assert micro.get("pixel_values") is not None
     assert selection.image_chunks(micro, 2) == [(0, 2, {})]
     assert selection.image_chunks(micro, 2, batch_size=1) == [(0, 1, {}), (1, 2, {})]
+    # the trainer leaves TRL's own slicing alone where every chunk holds an image
+    assert selection.has_image_less_chunk(fields, 6, 2) and selection.has_image_less_chunk(micro, 2)
+    assert not selection.has_image_less_chunk(fields, 6) and not selection.has_image_less_chunk(fields, 6, 4)
+    assert not selection.has_image_less_chunk({"pixel_values": None, "num_images": None}, 6, 2)  # no image input
 
 
 def test_misaligned_images_are_detected():

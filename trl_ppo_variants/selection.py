@@ -688,6 +688,22 @@ def image_rows(fields: dict, rows, num_rows: int) -> dict:
     return unpack_multimodal(take_rows(pack_multimodal(fields, num_rows), rows, num_rows))
 
 
+def _chunk_bounds(num_rows: int, batch_size: int | None) -> list[tuple[int, int]]:
+    size = max(batch_size or num_rows, 1)
+    return [(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+
+def has_image_less_chunk(fields: dict, num_rows: int, batch_size: int | None = None) -> bool:
+    """Whether a batch with image inputs `fields` (TRL's layout, `None` entries ignored) has a chunk of `batch_size`
+    rows (`image_chunks`) without any image, by the per-row counts (`num_images`, `num_tiles`; True when there are
+    none to tell by). False for a batch without image inputs."""
+    if not any(fields.get(key) is not None for key in MULTIMODAL_KEYS if key not in COUNT_KEYS):
+        return False
+    counts = [fields[key] for key in COUNT_KEYS if fields.get(key) is not None]
+    return not counts or any(not any(any(c[start:end]) for c in counts)
+                             for start, end in _chunk_bounds(num_rows, batch_size))
+
+
 def image_chunks(fields: dict, num_rows: int, batch_size: int | None = None) -> list[tuple[int, int, dict]]:
     """Consecutive chunks `(start, end, image_inputs)` of `batch_size` rows (all `num_rows` rows in one when None or
     0) of a batch whose image inputs `fields` are in TRL's layout (`None` entries ignored), each chunk with its own
@@ -700,14 +716,11 @@ def image_chunks(fields: dict, num_rows: int, batch_size: int | None = None) -> 
     are taken from one packing (`pack_multimodal`, then `take_rows` / `unpack_multimodal` per chunk).
     """
     fields = {key: value for key, value in fields.items() if value is not None}
-    size = batch_size or num_rows
-    bounds = [(start, min(start + size, num_rows)) for start in range(0, num_rows, max(size, 1))]
+    bounds = _chunk_bounds(num_rows, batch_size)
     if not any(key in MULTIMODAL_KEYS for key in fields):
         return [(start, end, {}) for start, end in bounds]
-    if len(bounds) == 1:
-        counts = [fields[key] for key in COUNT_KEYS if key in fields]
-        images = fields if not counts or any(any(c) for c in counts) else {}
-        return [(0, num_rows, images)]
+    if len(bounds) == 1 and not has_image_less_chunk(fields, num_rows):
+        return [(0, num_rows, fields)]
     packed = pack_multimodal(fields, num_rows)
     return [(start, end, unpack_multimodal(take_rows(packed, range(start, end), num_rows))) for start, end in bounds]
 

@@ -13,9 +13,9 @@ not copy that method (TRL deleted several of its own experimental trainers whose
    KL loss estimators, the dual-clip correction (`clip_ratio_c`), each reduced like the policy loss (`_aggregate`).
 4. `_prepare_inputs` is TRL's; with `steps_per_generation != gradient_accumulation_steps` the token count that
    normalises token-level losses is replaced by that optimizer step's own (`token_level_normalizer`).
-5. `_get_per_token_logps_and_entropies` is TRL's, run per chunk of rows with the chunk's own image inputs
-   (`selection.image_chunks`): a chunk or micro-batch without an image gets none, where TRL's slicing gives it empty
-   image tensors that the vision towers refuse.
+5. `_get_per_token_logps_and_entropies` is TRL's; where one of its chunks of rows (or a micro-batch) holds no image,
+   it runs per chunk with the chunk's own image inputs (`selection.image_chunks`: none for a chunk without an image;
+   TRL's slicing gives such a chunk empty image tensors, which the vision towers refuse).
 
 `tests/test_trl_guard.py` fails loudly when the private signatures used here change.
 """
@@ -709,8 +709,8 @@ class VariantTrainer(GRPOTrainer):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         images = {key: kwargs.pop(key) for key in selection.MULTIMODAL_KEYS if key in kwargs}
-        if args or not any(value is not None for value in images.values()):
-            result = super()._get_per_token_logps_and_entropies(
+        if args or not selection.has_image_less_chunk(images, input_ids.shape[0], kwargs.get("batch_size")):
+            result = super()._get_per_token_logps_and_entropies(  # TRL's slicing: every chunk has an image
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs, **images
             )
         else:  # TRL's chunks, and a micro-batch, each with its own rows' images: none for rows without one
