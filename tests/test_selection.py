@@ -1,7 +1,11 @@
 """The shared row-selection mechanism (`trl_ppo_variants/selection.py`): pure filters on hand-made rewards, and the
 gather / concat / redistribute moves, with simulated processes (threads with a real all-gather rendezvous)."""
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -530,6 +534,35 @@ def test_selected_rows_keep_their_own_images(family):
         _assert_same_layout(got, _trl_layout(family, [rows[i] for i in keep]), family)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_image_chunks_give_rows_without_images_no_image_inputs(family):
+    """A forward's chunks of rows (TRL's reference / old log-prob chunks, the critic's): each chunk gets its own rows'
+    image inputs in TRL's layout, and a chunk without any image none at all (TRL's slicing gives it empty image
+    tensors). A micro-batch of TRL's split without an image (empty tensors, zero counts) gets none either."""
+    from trl.trainer.utils import split_pixel_values_by_grid, unsplit_pixel_values_by_grid
+
+    rows, rollout = _vlm_rollout(family, [1, 0, 0, 0, 2, 1])
+    fields = selection.image_inputs(rollout)
+    chunks = selection.image_chunks(fields, len(rows), batch_size=2)
+    assert [(start, end) for start, end, _ in chunks] == [(0, 2), (2, 4), (4, 6)]
+    assert chunks[1][2] == {}
+    for start, end, images in (chunks[0], chunks[2]):
+        expected = selection.image_inputs(_trl_layout(family, rows[start:end]))
+        # per-token types keep the batch's columns (the chunk's input_ids are the batch's rows)
+        expected.update({key: fields[key][start:end] for key in selection.SPANNING_KEYS if key in fields})
+        _assert_same_layout(images, expected, family)
+    assert selection.image_chunks(fields, len(rows)) == [(0, 6, fields)]  # one chunk with images: as it is
+    per_row = split_pixel_values_by_grid(fields)  # TRL's micro-batch of rows 1 and 2
+    micro = unsplit_pixel_values_by_grid({key: value[1:3] for key, value in per_row.items()})
+    assert micro.get("pixel_values") is not None
+    assert selection.image_chunks(micro, 2) == [(0, 2, {})]
+    assert selection.image_chunks(micro, 2, batch_size=1) == [(0, 1, {}), (1, 2, {})]
+    # the trainer leaves TRL's own slicing alone where every chunk holds an image
+    assert selection.has_image_less_chunk(fields, 6, 2) and selection.has_image_less_chunk(micro, 2)
+    assert not selection.has_image_less_chunk(fields, 6) and not selection.has_image_less_chunk(fields, 6, 4)
+    assert not selection.has_image_less_chunk({"pixel_values": None, "num_images": None}, 6, 2)  # no image input
+
+
 def test_misaligned_images_are_detected():
     """The check above fails if images are kept in their old order: the helper is not vacuous."""
     rows, rollout = _vlm_rollout("qwen2_vl", [1, 2, 1])
@@ -590,6 +623,98 @@ def test_two_processes_move_rows_with_their_images(threaded_exchange, monkeypatc
     out0, out1 = _run_ranks(2, step)
     _assert_same_layout(out0, _trl_layout("qwen2_vl", [rows1[0], rows0[0], rows1[1]]), "qwen2_vl")
     _assert_same_layout(out1, _trl_layout("qwen2_vl", [rows0[1], rows0[2], rows1[2]]), "qwen2_vl")
+
+
+def tiled_rollout(tiles, row_ids, widest=None):
+    """LLaVA-NeXT's layout of rows whose images have `tiles[i]` tiles each (a list per row, empty: no image):
+    pixel_values (images, T, 1, 2), T the most tiles of the batch (`widest` when given: the processor pads every
+    image's tiles to its batch's most with zeros), each real tile valued by its (row id, image, tile), and
+    image_sizes naming each image's tile count (the model reads it to drop the padded tiles). Token ids name the row
+    too."""
+    ids = torch.tensor(row_ids).unsqueeze(1) * 10 + 1000
+    rollout = {"prompt_ids": ids + torch.tensor([1, 2]), "prompt_mask": torch.ones(len(tiles), 2, dtype=torch.long),
+               "completion_ids": ids + torch.tensor([3, 4]), "completion_mask": torch.ones(len(tiles), 2,
+                                                                                       dtype=torch.long),
+               "advantages": torch.tensor(row_ids, dtype=torch.float)}
+    images = [(row, i, n) for row, counts in zip(row_ids, tiles) for i, n in enumerate(counts)]
+    if not images:
+        return rollout
+    widest = widest or max(n for _, _, n in images)
+    pixels = torch.zeros(len(images), widest, 1, 2)
+    for j, (row, i, n) in enumerate(images):
+        pixels[j, :n] = (10_000 * (row + 1) + 100 * i + torch.arange(1.0, n + 1)).view(n, 1, 1)
+    return {**rollout, "pixel_values": pixels, "image_sizes": torch.tensor([[n, row] for row, _, n in images]),
+            "num_images": [len(counts) for counts in tiles]}
+
+
+def _assert_same_images(got, want):
+    assert sorted(k for k in got if k in selection.MULTIMODAL_KEYS) == sorted(
+        k for k in want if k in selection.MULTIMODAL_KEYS)
+    for key in ("pixel_values", "image_sizes"):
+        if key in want:
+            assert got[key].shape == want[key].shape and torch.equal(got[key], want[key]), key
+    assert got.get("num_images") == want.get("num_images")
+
+
+#: two generation rounds: square images (LLaVA-NeXT: a base view and 1 tile) then mostly 2:1 ones (2 tiles), whose
+#: batch pads its square image to 3 entries too
+ROUND_A = ([[2], [], [2, 2]], [0, 1, 2])
+ROUND_B = ([[3], [3, 2]], [3, 4])
+
+
+def test_rounds_with_other_tile_counts_join_and_rows_keep_their_own_tiles():
+    """DAPO's rounds of LLaVA-NeXT rows with 2 and 3 tiles an image (`concat_rollouts` padded only the widths:
+    "Sizes of tensors must match except in dimension 0"): every row keeps its own tiles and image sizes, in TRL's
+    layout for the rows held: a batch of square-image rows gets its 2 tiles back (the joining's padding cut by the
+    rows' extents), a mixed batch pads them with zero tiles as the processor would."""
+    a, b = tiled_rollout(*ROUND_A), tiled_rollout(*ROUND_B)
+    assert a["pixel_values"].shape[1:] != b["pixel_values"].shape[1:]
+    joined = selection.concat_rollouts([selection.row_entries(a, 3), selection.row_entries(b, 2)], PAD)
+    one = _Acc(None, 0, 1)
+    for keep in ([0, 1, 2, 3, 4], [2, 0], [4, 1], [3], [1]):
+        picked = {k: v[torch.tensor(keep)] for k, v in joined.items() if k != "advantages"}
+        out = selection.redistribute_rows(one, picked, torch.zeros(len(keep), dtype=torch.long), PAD)
+        rows = [(ROUND_A[0] + ROUND_B[0])[i] for i in keep]
+        widest = max([2] + [3 for i in keep if i >= 3])  # round B's rows keep their batch's 3 tiles
+        _assert_same_images(out, tiled_rollout(rows, keep, widest))
+
+
+def test_two_processes_with_other_tile_counts_move_rows_with_their_tiles(threaded_exchange, monkeypatch):
+    """Rank 0 holds square-image rows (2 tiles), rank 1 2:1 ones (3 tiles): the exchange pads every dimension to the
+    widest of the processes (it padded only the widths: the tile dimensions differed), every row arrives with its
+    own tiles, and a rank holding only square-image rows gets them with 2 tiles."""
+    monkeypatch.setattr(selection, "_gather_objects", lambda acc, obj: acc.world.gather_objects(acc.process_index,
+                                                                                                  obj))
+    local = [selection.row_entries(tiled_rollout(*ROUND_A), 3),
+             selection.row_entries(tiled_rollout([[3], [3, 2], []], [3, 4, 5]), 3)]
+    sources = torch.tensor([1, 0, 1, 0, 0, 1])  # batch: ids 3, 0, 4, 1, 2, 5
+
+    def step(acc):
+        return selection.redistribute_rows(acc, local[acc.process_index], sources, PAD)
+
+    out0, out1 = _run_ranks(2, step)
+    _assert_same_images(out0, tiled_rollout([[3], [2], [3, 2]], [3, 0, 4], 3))
+    _assert_same_images(out1, tiled_rollout([[], [2, 2], []], [1, 2, 5], 2))
+
+
+#: tests/scripts/tiles_2proc.py's port (no other test uses it)
+TILES_PORT = 29731
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_real_processes_with_other_tile_counts_agree_and_keep_each_rows_pixels():
+    """The exchange under `accelerate launch` (gloo, 2 CPU processes), rank 0 with square-image rows (2 entries an
+    image), rank 1 with 2:1 ones (3): gloo refused the mismatched sizes ("Received data size doesn't match expected
+    size"); now every row arrives with its own pixels, a rank without images takes part, the ranks' global views
+    agree (tests/scripts/tiles_2proc.py)."""
+    root = Path(__file__).resolve().parents[1]
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(TILES_PORT),
+           str(root / "tests" / "scripts" / "tiles_2proc.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and "TILES-2PROC-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def test_unknown_multimodal_layouts_are_refused_naming_the_key():

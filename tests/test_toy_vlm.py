@@ -78,6 +78,21 @@ def test_dataset_rows_carry_their_own_images_and_answers():
         toy_vlm_dataset(4, images_per_prompt=0)
 
 
+def test_mixed_dataset_has_an_image_every_nth_prompt():
+    from trl_ppo_variants.toy_vlm import toy_vlm_mixed_dataset
+
+    mixed = toy_vlm_mixed_dataset(8, image_every=4)
+    assert set(mixed.column_names) == {"prompt", "images", "answer"}
+    assert [len(images) for images in mixed["images"]] == [1, 0, 0, 0, 1, 0, 0, 0]
+    kinds = [[part["type"] for part in row[0]["content"]] for row in mixed["prompt"]]
+    assert kinds == [["image", "text"], ["text"], ["text"], ["text"]] * 2
+    plain = toy_vlm_dataset(8)
+    assert mixed["answer"] == plain["answer"]
+    assert list(mixed[4]["images"][0].getdata()) == list(plain[4]["image"].getdata())
+    with pytest.raises(ValueError, match="image_every: expected an integer >= 1"):
+        toy_vlm_mixed_dataset(4, image_every=0)
+
+
 def test_color_images_are_named_by_their_colour():
     from trl_ppo_variants.toy_vlm import COLORS
 

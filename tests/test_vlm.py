@@ -15,6 +15,7 @@ from trl_ppo_variants.toy_vlm import VLM_FAMILIES, color_reward, make_tiny_vlm, 
 
 #: per-token bound on |recorded - forward| and on the step-0 KL in fp32 (measured 9.5e-7 on both families)
 FP32_BOUND = 1e-5
+PAD = 0
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ QUICK = {("qwen2_vl", name) for name in SPECS} | {("gemma3", name) for name in (
 def _make(name, model_dir, tmp_path, dataset=None, callbacks=None, **overrides):
     import trl_ppo_variants as V
 
-    config_name, trainer_name, spec, kwargs, reward = SPECS[name]
+    config_name, trainer_name, spec, kwargs, reward = {**SPECS, **VALUE_SPECS}[name]
     settings = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
                     max_completion_length=8, max_steps=2, learning_rate=0.05, logging_steps=1, report_to=[],
                     use_cpu=True, seed=0, save_strategy="no", disable_tqdm=True, bf16=False)
@@ -192,6 +193,170 @@ def test_a_batch_mixing_prompts_with_and_without_images_trains(vlm_dirs, family,
     trainer = _make("dapo", vlm_dirs[family], tmp_path, dataset=_some_prompts_without_images())
     trainer.train()
     assert trainer.state.global_step == 2
+
+
+#: trainers beyond SPECS for the mixed-batch test: critics (PPO, VAPO: chunked at rollout, a micro-batch in the loss)
+#: and ReMax's greedy rows
+VALUE_SPECS = {
+    "ppo": ("PPOConfig", "PPOTrainer", {}, {}, color_reward),
+    "vapo": ("VAPOConfig", "VAPOTrainer", {"value_pretrain_steps": 0}, {}, color_reward),
+    "remax": ("ReMaxConfig", "ReMaxTrainer", {}, {}, color_reward),
+}
+#: every trainer family, with accumulation 2: TRL's micro-batch split, its reference forward's chunks (rloo_kl, ppo),
+#: DAPO's rounds, TTRL's split, the critic's chunks, ReMax's greedy rows
+MIXED = ("grpo", "rloo_kl", "dapo", "ttrl", "ppo", "vapo", "remax")
+QUICK_MIXED = {("gemma3", "grpo"), ("gemma3", "ppo"), ("gemma3", "ttrl"), ("qwen2_5_vl", "rloo_kl"),
+               ("qwen2_5_vl", "dapo"), ("qwen2_5_vl", "vapo"), ("qwen2_5_vl", "remax")}
+
+
+@pytest.fixture
+def forward_images(monkeypatch):
+    """(rows, shape of `pixel_values`, `image_sizes` as a list; None where not given) of every forward pass TRL's
+    `_get_per_token_logps_and_entropies` runs (policy, reference, old log-probs; each chunk of the package's own split
+    once)."""
+    from trl import GRPOTrainer
+
+    seen = []
+    inner = GRPOTrainer._get_per_token_logps_and_entropies
+
+    def spy(self, model, input_ids, *args, pixel_values=None, **kwargs):
+        sizes = kwargs.get("image_sizes")
+        seen.append((input_ids.shape[0], None if pixel_values is None else tuple(pixel_values.shape),
+                     None if sizes is None else sizes.tolist()))
+        return inner(self, model, input_ids, *args, pixel_values=pixel_values, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", spy)
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family,name", [
+    pytest.param(family, name, marks=() if (family, name) in QUICK_MIXED else pytest.mark.slow)
+    for family in ("gemma3", "qwen2_5_vl") for name in MIXED])
+def test_prompts_with_and_without_images_train_with_gradient_accumulation(vlm_dirs, family, name, tmp_path,
+                                                                          forward_images):
+    """One prompt in four has an image, accumulation 2 (issue 33): a micro-batch or a chunk of the reference, policy
+    or critic forward without an image got empty image tensors, which the vision towers refuse (Gemma3: "cannot
+    reshape tensor of 0 elements", Qwen2.5-VL: "torch.cat(): expected a non-empty list"). Each such subset now goes
+    text-only, as TRL gives a text-only batch; the others keep their images."""
+    from trl_ppo_variants.toy_vlm import toy_vlm_mixed_dataset
+
+    # unshuffled, every generation batch holds 4 prompts, one with an image: its 8 (trained) rows, 2 of them with the
+    # image, make 4 micro-batches of 2 rows (2 optimizer steps of 2), so 2 or more have no image whatever TRL's shuffle
+    layout = dict(per_device_train_batch_size=2, num_generations=2, gradient_accumulation_steps=2,
+                  steps_per_generation=4, shuffle_dataset=False)
+    if name == "ttrl":  # 4 votes, 2 trained per prompt
+        layout.update(per_device_train_batch_size=4, num_generations=4)
+    trainer = _make(name, vlm_dirs[family], tmp_path, dataset=toy_vlm_mixed_dataset(16), **layout)
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert all(torch.isfinite(torch.tensor(log["loss"])) for log in trainer.state.log_history if "loss" in log)
+    # forwards with images and forwards of image-less subsets (of batches with an image) ran; none got empty images
+    assert all(images is None or images[0] > 0 for _, images, _ in forward_images), forward_images
+    assert any(images is None for _, images, _ in forward_images), forward_images
+    assert any(images for _, images, _ in forward_images), forward_images
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_kl_at_step_zero_is_zero_with_image_less_reference_chunks(vlm_dirs, family, tmp_path):
+    """Policy == reference, one prompt in four with an image, the reference forward in chunks of 4 rows (the second
+    without an image): the KL in the reward is 0 per token against the log-probs recorded while generating, so each
+    chunk's rows were scored with their own images (and the image-less ones with none)."""
+    from trl_ppo_variants.toy_vlm import toy_vlm_mixed_dataset
+
+    trainer = _make("rloo_kl", vlm_dirs[family], tmp_path, dataset=toy_vlm_mixed_dataset(8), num_generations=2)
+    output, kl = _rollout(trainer, family_rows=4)
+    assert output["num_images"] == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert kl[output["completion_mask"].bool()].abs().max().item() < FP32_BOUND
+
+
+@pytest.fixture(scope="module")
+def llava_next_dir(tmp_path_factory):
+    return make_tiny_vlm(str(tmp_path_factory.mktemp("vlm") / "llava_next"), "llava_next", seed=0)
+
+
+def _solid_image_prompts(colors, sizes):
+    """One prompt a colour about a solid image of that colour and size (width, height): LLaVA-NeXT gives a 32x32
+    image 2 entries (its base view and 1 tile), a 64x32 one 3."""
+    from datasets import Dataset
+    from PIL import Image
+
+    from trl_ppo_variants.toy_vlm import COLORS
+
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is the image?"}]}]
+    return Dataset.from_dict({"prompt": [question] * len(colors), "answer": list(colors),
+                              "image": [Image.new("RGB", size, COLORS[c]) for c, size in zip(colors, sizes)]})
+
+
+#: prompt selections whose rounds are joined: (config overrides, the loss batch's rows); SPEED screens 2 of 4
+TILE_ROUNDS = {"dapo": ({"num_generations": 2, "per_device_train_batch_size": 4}, 4),
+               "speed": ({"num_generations": 4, "per_device_train_batch_size": 8}, 8),
+               "greso": ({"num_generations": 2, "per_device_train_batch_size": 4}, 4)}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "dapo" else pytest.mark.slow) for n in TILE_ROUNDS])
+def test_llava_next_rounds_of_other_tile_counts_train(llava_next_dir, tmp_path, forward_images, name):
+    """Prompt selection's rounds with LLaVA-NeXT (issue 33): the first round's images are square (2 entries an image),
+    the refills' 2:1 (3 entries); joining the rounds failed ("Sizes of tensors must match except in dimension 0").
+    Unshuffled, the first round is prompts 0 and 1: prompt 1's colour is easy (no spread: dropped), so the step
+    keeps prompt 0's square group and a refilled 2:1 one, trained in one forward whose square image is padded with a
+    zero tile."""
+    dataset = _solid_image_prompts(["purple", "red", "orange", "black", "white", "purple", "orange", "black"],
+                                   [(32, 32)] * 2 + [(64, 32)] * 6)
+    overrides, rows = TILE_ROUNDS[name]
+    trainer = _make(name, llava_next_dir, tmp_path, dataset=dataset, max_steps=1, shuffle_dataset=False, **overrides)
+    trainer.train()
+    assert trainer.state.global_step == 1
+    prefix = "selection" if name == "greso" else "dapo"
+    logs = {k: v for log in trainer.state.log_history for k, v in log.items()}
+    assert logs[f"{prefix}/rounds"] >= 2 and logs[f"{prefix}/groups_kept"] == 2
+    # the loss's batch (the last forward): a square image (32 x 32, its 2 entries padded to 3) and 2:1 ones (32 high,
+    # 64 wide)
+    batch_rows, pixels, sizes = forward_images[-1]
+    assert batch_rows == rows and pixels == (rows, 3, 3, 32, 32), forward_images
+    assert [32, 32] in sizes and [32, 64] in sizes, forward_images
+
+
+def test_a_padded_tile_never_reaches_the_vision_tower(llava_next_dir):
+    """A square image's row joined with a 2:1 image's row (`concat_rollouts`, then TRL's layout back): its image is
+    padded with a zero tile to the other's 3 entries, which LLaVA-NeXT drops by the row's own `image_sizes` (the
+    padding is never a real tile): the row's log-probs are those of the row alone, with its 2 entries."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForImageTextToText
+
+    from trl_ppo_variants.toy_vlm import load_tiny_vlm_processor
+
+    model = AutoModelForImageTextToText.from_pretrained(llava_next_dir).eval()
+    processor = load_tiny_vlm_processor(llava_next_dir)
+    dataset = _solid_image_prompts(["purple", "orange"], [(32, 32), (64, 32)])
+    completion = processor.tokenizer("it is purple", add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+    def rollout(i):
+        text = processor.apply_chat_template(dataset[i]["prompt"], tokenize=False, add_generation_prompt=True)
+        inputs = processor(images=[dataset[i]["image"]], text=[text], return_tensors="pt")
+        return {"prompt_ids": inputs["input_ids"], "prompt_mask": inputs["attention_mask"],
+                "completion_ids": completion, "completion_mask": torch.ones_like(completion),
+                "pixel_values": inputs["pixel_values"], "image_sizes": inputs["image_sizes"], "num_images": [1]}
+
+    def logps(batch):
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask, pixel_values=batch["pixel_values"],
+                           image_sizes=batch["image_sizes"]).logits[:, -completion.shape[1] - 1 : -1]
+        return logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+    square, wide = rollout(0), rollout(1)
+    assert square["pixel_values"].shape[1] == 2 and wide["pixel_values"].shape[1] == 3
+    joined = selection.concat_rollouts([selection.row_entries(square, 1), selection.row_entries(wide, 1)], PAD)
+    batch = selection.redistribute_rows(SimpleNamespace(num_processes=1, process_index=0), joined,
+                                        torch.zeros(2, dtype=torch.long), PAD)
+    assert batch["pixel_values"].shape[1] == 3 and not batch["pixel_values"][0, 2].any()  # a zero tile
+    assert torch.equal(batch["pixel_values"][0, :2], square["pixel_values"][0])
+    torch.testing.assert_close(logps(batch)[0], logps(square)[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(logps(batch)[1], logps(wide)[0], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow

@@ -97,6 +97,26 @@ def test_critic_values_depend_on_the_image(vlm_dirs, family, kind, tmp_path):
     torch.testing.assert_close(chunked, seen, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_critic_values_of_rows_without_images_take_no_image_inputs(vlm_dirs, family, tmp_path):
+    """A micro-batch without an image, as TRL's split hands it over (empty `pixel_values`, `num_images` all 0, zero
+    token types), is valued text-only, as TRL gives a text-only batch; the empty image tensors reached the vision
+    tower (Gemma3: "cannot reshape tensor of 0 elements", Qwen2.5-VL: "torch.cat(): expected a non-empty list")."""
+    trainer = _trainer(PPOTrainer, PPOConfig, vlm_dirs[family], tmp_path, critic_backbone="full")
+    _, _, fields, _ = _same_text_two_images(trainer.processing_class)
+    batch = trainer.processing_class.tokenizer(["Name a colour. red", "Name a colour. blue"], return_tensors="pt",
+                                               padding=True)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    empty = {key: value[:0] if key in ("pixel_values", "image_grid_thw") else value for key, value in fields.items()}
+    empty.update({key: torch.zeros_like(ids) for key in ("token_type_ids", "mm_token_type_ids") if key in fields},
+                 num_images=[0, 0])
+    with torch.no_grad():
+        text_only = critic_values(trainer.critic, ids, mask, 3)
+        for batch_size in (None, 1):
+            torch.testing.assert_close(critic_values(trainer.critic, ids, mask, 3, batch_size=batch_size,
+                                                     image_fields=empty), text_only, rtol=0, atol=1e-6)
+
+
 def test_image_rows_pick_each_rows_own_images():
     """Grid layout (Qwen: `pixel_values` rows per image patch, `image_grid_thw` per image), flat layout (one
     `pixel_values` entry per image, `image_sizes`), per-token fields and rows without images."""

@@ -824,20 +824,13 @@ def critic_values(
         logits_to_keep: T
         batch_size: rows per forward pass (chunks bound the activation memory at rollout time).
         image_fields: a VLM's image inputs of the B rows in TRL's layout (`selection.image_inputs(batch)`): each
-            chunk gets its rows' images (packed per row once, `selection.pack_multimodal`), so that the critic sees
-            what the policy sees.
+            chunk gets its rows' images, and a chunk without any image none (`selection.image_chunks`), so that the
+            critic sees what the policy sees.
     Returns:
         (B, T) float32 values (padding positions hold whatever the head outputs: mask them).
     """
-    num_rows = input_ids.shape[0]
-    batch_size = batch_size or num_rows
-    image_fields = image_fields or {}
-    packed = selection.pack_multimodal(image_fields, num_rows) if 0 < batch_size < num_rows else None
     chunks = []
-    for start in range(0, num_rows, batch_size):
-        end = min(start + batch_size, num_rows)
-        chunk_images = image_fields if packed is None else \
-            selection.unpack_multimodal(selection.take_rows(packed, range(start, end), num_rows))
+    for start, end, chunk_images in selection.image_chunks(image_fields or {}, input_ids.shape[0], batch_size):
         # the per-row counts only say how the image tensors split: not model inputs
         chunk_images = {k: v for k, v in chunk_images.items() if k not in selection.COUNT_KEYS}
         out = critic(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], **chunk_images)

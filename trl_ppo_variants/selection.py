@@ -23,8 +23,11 @@ Image inputs (vision-language models) are not row-aligned in TRL's layout: pixel
 image_grid_thw), per image (Gemma3, LLaVA), per tile (LFM2-VL, InternVL) or padded per row (Idefics), a prompt may have
 0 or several images (num_images), token_type_ids / mm_token_type_ids span prompt and completion. `row_entries` packs
 them into dense per-row entries (`pack_multimodal`), which every move above treats like any row tensor (a round or a
-process without images gets rows without images), and `redistribute_rows` hands them back in TRL's layout
-(`unpack_multimodal`). An image input of a layout TRL 1.16 does not produce is refused with its name.
+process without images gets rows without images; rows whose entries differ in size, LLaVA-NeXT's tiles of square and
+2:1 images, are zero-padded in every dimension, and their per-row extents cut the padding again), and
+`redistribute_rows` hands them back in TRL's layout (`unpack_multimodal`). A forward's chunks of rows take their own
+images from the same packing (`image_chunks`: none for a chunk without an image). An image input of a layout TRL 1.16
+does not produce is refused with its name.
 """
 
 from __future__ import annotations
@@ -549,7 +552,8 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
 
     An input indexed by patch, image or tile, (M, ...) with row i owning `n_i` consecutive entries, becomes
     `mm:<key>` (B, max n_i, ...), zero-padded on the right, and `mm:<key>:count` (B,) = n_i; a per-row input
-    (Idefics) stays (B, N, ...) (padding more images with zeros is the processor's own padding); a per-token input
+    (Idefics) stays (B, N, ...) (padding more images with zeros is the processor's own padding); both get
+    `mm:<key>:extent` (B, k), the sizes of the dimensions after those (`_add_extent`); a per-token input
     (B, P + C) is split into `mm:<key>:prompt` (B, P), left-aligned with the prompt, and `mm:<key>:completion` (B, C);
     `num_images` / `num_tiles` become (B,) tensors. Rows of the packed dict can then be indexed (`take_rows`), joined
     and moved between processes like any row entry, and `unpack_multimodal` restores TRL's layout.
@@ -564,12 +568,15 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
     out = {k: v for k, v in batch.items() if k not in layout}
     prompt_width = batch["prompt_ids"].shape[1] if "prompt_ids" in batch else None
     completion_width = batch["completion_ids"].shape[1] if "completion_ids" in batch else None
+    # the counts and extents live with the rows' tensors: the moves between processes send them all alike (NCCL
+    # takes no CPU tensor)
+    device = next((v.device for k, v in batch.items() if k in layout and isinstance(v, torch.Tensor)), None)
     for key, unit in layout.items():
         value = batch[key]
         if unit == "count":
             if len(value) != num_rows:
                 raise NotImplementedError(f"'{key}' has {len(value)} entries for {num_rows} rows")
-            out[PACKED + key] = torch.tensor(list(value), dtype=torch.long)
+            out[PACKED + key] = torch.tensor(list(value), dtype=torch.long, device=device)
         elif unit == "token" and prompt_width is None and completion_width is None:
             if len(value) != num_rows:
                 raise NotImplementedError(f"'{key}' has {len(value)} rows, expected {num_rows}")
@@ -585,6 +592,7 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
             if value.shape[0] != num_rows:
                 raise NotImplementedError(f"'{key}' (shape {tuple(value.shape)}) has no entry per row ({num_rows})")
             out[PACKED + key] = value
+            _add_extent(out, key, value.shape[2:], num_rows, device)
         else:
             counts = _items_per_row(batch, unit).to(value.device)
             if int(counts.sum()) != value.shape[0] or counts.numel() != num_rows:
@@ -595,7 +603,18 @@ def pack_multimodal(batch: dict, num_rows: int) -> dict:
             packed[torch.arange(width, device=value.device) < counts.unsqueeze(1)] = value  # row-major: in order
             out[PACKED + key] = packed
             out[f"{PACKED}{key}:count"] = counts
+            _add_extent(out, key, value.shape[1:], num_rows, device)
     return out
+
+
+def _add_extent(out: dict, key: str, sizes: torch.Size, num_rows: int, device: torch.device) -> None:
+    """`mm:<key>:extent` (B, k): the sizes of each row's entries of `key` beyond the row and entry dimensions (an
+    image's tiles, a tile's patches, an image's height and width, as the processor padded them for the row's batch).
+    Joining rows of batches with other sizes pads them (zeros: LLaVA-NeXT's tiles beyond its `image_sizes`, Idefics'
+    pixels beyond its `pixel_attention_mask`); the extents let `unpack_multimodal` cut the entries of the rows it
+    holds back to the largest of their own, so that no padding the rows' own batches did not have reaches the model."""
+    if len(sizes):
+        out[f"{PACKED}{key}:extent"] = torch.tensor(list(sizes), dtype=torch.long, device=device).repeat(num_rows, 1)
 
 
 def unpack_multimodal(rows: dict) -> dict:
@@ -616,7 +635,7 @@ def unpack_multimodal(rows: dict) -> dict:
         elif name.endswith(":prompt"):
             base = name.removesuffix(":prompt")
             out[base] = torch.cat([value, rows[f"{PACKED}{base}:completion"]], dim=1)
-        elif name.endswith((":completion", ":count")):
+        elif name.endswith((":completion", ":count", ":extent")):
             continue
         elif isinstance(value, list):  # per-row token lists (`pack_multimodal` without a rollout)
             out[name] = value
@@ -624,10 +643,23 @@ def unpack_multimodal(rows: dict) -> dict:
             counts = rows[f"{key}:count"].to(value.device)
             flat = value[torch.arange(value.shape[1], device=value.device) < counts.unsqueeze(1)]
             if flat.shape[0]:
-                out[name] = flat
+                out[name] = _cut_to_extent(flat, rows.get(f"{key}:extent"), counts > 0)
         elif value.shape[0] and value.shape[1]:  # per-row (B, N, ...)
-            out[name] = value
+            out[name] = _cut_to_extent(value, rows.get(f"{key}:extent"), None, first=2)
     return out
+
+
+def _cut_to_extent(value: torch.Tensor, extent: torch.Tensor | None, holding: torch.Tensor | None,
+                   first: int = 1) -> torch.Tensor:
+    """`value` with its dimensions from `first` on cut to the largest `extent` (B, k) of the rows `holding` (B,) bool
+    (all when None): the padding that joining rows of other batches added goes again (`_add_extent`)."""
+    if extent is None or not extent.numel():
+        return value
+    extent = extent if holding is None else extent[holding.to(extent.device)]
+    if not extent.shape[0]:
+        return value
+    sizes = extent.max(dim=0).values.tolist()
+    return value[(slice(None),) * first + tuple(slice(0, int(n)) for n in sizes)]
 
 
 def take_rows(packed: dict, rows, num_rows: int) -> dict:
@@ -654,6 +686,43 @@ def image_rows(fields: dict, rows, num_rows: int) -> dict:
     no image input at all (as TRL gives a text-only batch). To take several sets of rows of one batch (chunks), pack
     once and call `take_rows` and `unpack_multimodal` per set."""
     return unpack_multimodal(take_rows(pack_multimodal(fields, num_rows), rows, num_rows))
+
+
+def _chunk_bounds(num_rows: int, batch_size: int | None) -> list[tuple[int, int]]:
+    size = max(batch_size or num_rows, 1)
+    return [(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+
+def has_image_less_chunk(fields: dict, num_rows: int, batch_size: int | None = None) -> bool:
+    """Whether a batch with image inputs `fields` (TRL's layout, `None` entries ignored) has a chunk of `batch_size`
+    rows (`image_chunks`) without any image, by the per-row counts (`num_images`, `num_tiles`; True when there are
+    none to tell by). False for a batch without image inputs."""
+    if not any(fields.get(key) is not None for key in MULTIMODAL_KEYS if key not in COUNT_KEYS):
+        return False
+    counts = [fields[key] for key in COUNT_KEYS if fields.get(key) is not None]
+    return not counts or any(not any(any(c[start:end]) for c in counts)
+                             for start, end in _chunk_bounds(num_rows, batch_size))
+
+
+def image_chunks(fields: dict, num_rows: int, batch_size: int | None = None) -> list[tuple[int, int, dict]]:
+    """Consecutive chunks `(start, end, image_inputs)` of `batch_size` rows (all `num_rows` rows in one when None or
+    0) of a batch whose image inputs `fields` are in TRL's layout (`None` entries ignored), each chunk with its own
+    rows' image inputs in TRL's layout, the chunk's forward pass takes.
+
+    A chunk without any image gets no image input at all, as TRL gives a text-only batch: TRL's own slicing (its
+    `_get_per_token_logps_and_entropies` chunks, its micro-batch split in `_prepare_inputs`) gives such a chunk empty
+    image tensors, which the vision towers refuse (Gemma3's SigLIP: "cannot reshape tensor of 0 elements", Qwen2.5-VL:
+    "torch.cat(): expected a non-empty list"). One chunk holding an image gets `fields` as they are; several chunks
+    are taken from one packing (`pack_multimodal`, then `take_rows` / `unpack_multimodal` per chunk).
+    """
+    fields = {key: value for key, value in fields.items() if value is not None}
+    bounds = _chunk_bounds(num_rows, batch_size)
+    if not any(key in MULTIMODAL_KEYS for key in fields):
+        return [(start, end, {}) for start, end in bounds]
+    if len(bounds) == 1 and not has_image_less_chunk(fields, num_rows):
+        return [(0, num_rows, fields)]
+    packed = pack_multimodal(fields, num_rows)
+    return [(start, end, unpack_multimodal(take_rows(packed, range(start, end), num_rows))) for start, end in bounds]
 
 
 def _empty_rows_like(key: str, template: torch.Tensor, part: dict) -> torch.Tensor:
@@ -703,11 +772,26 @@ def _pad_value(key: str, pad_token_id: int):
     return pad_token_id if key in ("prompt_ids", "completion_ids") else (1 if key == "tool_mask" else 0)
 
 
-def _pad_to(t: torch.Tensor, width: int, left: bool, value) -> torch.Tensor:
-    if t.dim() < 2 or t.shape[1] >= width:
+def _pad_to(t: torch.Tensor, sizes, left: bool, value) -> torch.Tensor:
+    """`t` (B, ...) padded with `value` to `sizes` (its sizes after dimension 0, none smaller than `t`'s): dimension 1
+    on the left when `left` (prompt-aligned keys), on the right otherwise, every further dimension (a packed image
+    entry's tiles, patches, height, width) on the right."""
+    sizes = tuple(int(n) for n in sizes)
+    if t.dim() < 2 or tuple(t.shape[1:]) == sizes:
         return t
-    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
-    return torch.cat([pad, t], dim=1) if left else torch.cat([t, pad], dim=1)
+    out = t.new_full((t.shape[0], *sizes), value)
+    width = t.shape[1]
+    columns = slice(sizes[0] - width, sizes[0]) if left else slice(0, width)
+    out[(slice(None), columns, *(slice(0, n) for n in t.shape[2:]))] = t
+    return out
+
+
+def _widest(shapes) -> list[int]:
+    """The largest size of every dimension after dimension 0 among tensors of one key (equal numbers of dimensions)."""
+    shapes = [tuple(s[1:]) for s in shapes]
+    if len({len(s) for s in shapes}) != 1:
+        raise ValueError(f"cannot join entries of different numbers of dimensions: shapes {shapes}")
+    return [max(sizes) for sizes in zip(*shapes)]
 
 
 def gather_rollout(accelerator, output: dict, num_rows: int, pad_token_id: int) -> dict:
@@ -725,20 +809,26 @@ def gather_rollout(accelerator, output: dict, num_rows: int, pad_token_id: int) 
 
 
 def _pad_to_widest(accelerator, rows: dict, pad_token_id: int) -> dict:
-    """Pad every 2-D+ row tensor to the widest of its key across processes (one collective for all the widths):
-    collectives on unequal shapes hang or return garbage on gloo."""
+    """Pad every 2-D+ row tensor to the widest of its key across processes in every dimension after the rows' (one
+    collective for all the sizes): collectives on unequal shapes hang or return garbage on gloo. Besides the widths,
+    packed image entries can differ in their further dimensions (LLaVA-NeXT's tiles per image, by aspect ratio)."""
     wide = [k for k in rows if rows[k].dim() >= 2]
     if not wide:
         return dict(rows)
-    local = torch.tensor([rows[k].shape[1] for k in wide], device=rows[wide[0]].device, dtype=torch.long)
-    widths = dict(zip(wide, accelerator.gather(local).view(-1, len(wide)).max(dim=0).values.tolist()))
-    return {key: _pad_to(t, int(widths[key]), left=_is_prompt_key(key), value=_pad_value(key, pad_token_id))
-            if key in widths else t for key, t in rows.items()}
+    local = torch.tensor([n for k in wide for n in rows[k].shape[1:]], device=rows[wide[0]].device, dtype=torch.long)
+    widest = accelerator.gather(local).view(-1, local.numel()).max(dim=0).values.tolist()
+    sizes, start = {}, 0
+    for key in wide:
+        sizes[key] = widest[start:start + rows[key].dim() - 1]
+        start += rows[key].dim() - 1
+    return {key: _pad_to(t, sizes[key], left=_is_prompt_key(key), value=_pad_value(key, pad_token_id))
+            if key in sizes else t for key, t in rows.items()}
 
 
 def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
     """Join rollout dicts row-wise, re-padding prompt keys on the left and completion keys on the right (packed image
-    inputs, `pack_multimodal`, on the right with zeros: no image).
+    inputs, `pack_multimodal`, on the right with zeros in every dimension: no image, no tile, no pixel; their
+    extents say what is padding).
 
     Keys missing from some of the rollouts are dropped (they cannot be filled in), except packed image inputs: a
     rollout without them (a round of prompts without images) gets rows without images."""
@@ -750,8 +840,8 @@ def concat_rollouts(rollouts: list[dict], pad_token_id: int) -> dict:
     for key in keys:
         parts = [r[key] for r in rollouts]
         if parts[0].dim() >= 2:
-            width = max(p.shape[1] for p in parts)
-            parts = [_pad_to(p, width, left=_is_prompt_key(key), value=_pad_value(key, pad_token_id)) for p in parts]
+            sizes = _widest(p.shape for p in parts)
+            parts = [_pad_to(p, sizes, left=_is_prompt_key(key), value=_pad_value(key, pad_token_id)) for p in parts]
         result[key] = torch.cat(parts, dim=0)
     return result
 
@@ -871,7 +961,8 @@ def _gather_objects(accelerator, obj) -> list:
 
 def _with_agreed_packed_keys(accelerator, rows: dict) -> dict:
     """`rows` with the packed image entries any process holds (empty: no image) so that every process moves the same
-    keys (a collective on keys some process lacks hangs). Only the (trailing shape, dtype) of each entry travels."""
+    keys (a collective on keys some process lacks hangs). Only the (trailing shape, dtype) of each entry travels: the
+    trailing sizes are one process's, `_pad_to_widest` then pads every dimension to the widest of all."""
     spec = {k: (tuple(v.shape[2:]), v.dim(), str(v.dtype).removeprefix("torch."))
             for k, v in rows.items() if k.startswith(PACKED)}
     union = {}

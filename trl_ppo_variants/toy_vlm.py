@@ -348,6 +348,22 @@ def toy_vlm_dataset(n: int = 16, images_per_prompt: int = 1, seed: int = 0):
     return Dataset.from_dict(rows)
 
 
+def toy_vlm_mixed_dataset(n: int = 16, image_every: int = 4, seed: int = 0):
+    """`toy_vlm_dataset(n)` in which only every `image_every`-th prompt (0, `image_every`, ...) asks about its image;
+    the others ask "Name a colour." about none. TRL's `images` column (a list per prompt, empty for a prompt without
+    an image), and `answer` as in `toy_vlm_dataset`. Unshuffled (`shuffle_dataset=False`), every generation batch of
+    `image_every` prompts holds exactly one prompt with an image."""
+    if not isinstance(image_every, int) or image_every < 1:
+        raise ValueError(f"image_every: expected an integer >= 1, got {image_every!r}")
+    text_only = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
+
+    def mix(row, i):
+        with_image = i % image_every == 0
+        return {"prompt": row["prompt"] if with_image else text_only, "images": [row["image"]] if with_image else []}
+
+    return toy_vlm_dataset(n, seed=seed).map(mix, with_indices=True, remove_columns=["image"])
+
+
 def _text(completion) -> str:
     if isinstance(completion, str):
         return completion
@@ -381,5 +397,5 @@ def vision_parameter_names(model) -> list[str]:
 
 
 __all__ = ["VLM_FAMILIES", "EXTRA_FAMILIES", "make_tiny_vlm", "build_tiny_vlm", "load_tiny_vlm_processor", "color_images",
-           "toy_vlm_dataset", "color_reward", "byte_level_tokenizer", "trl_chat_template", "vision_parameter_names",
-           "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor", "ToyQwen3VLProcessor", "template_tokens"]
+           "toy_vlm_dataset", "toy_vlm_mixed_dataset", "color_reward", "byte_level_tokenizer", "trl_chat_template",
+           "vision_parameter_names", "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor", "ToyQwen3VLProcessor", "template_tokens"]

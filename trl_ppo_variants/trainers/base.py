@@ -13,6 +13,9 @@ not copy that method (TRL deleted several of its own experimental trainers whose
    KL loss estimators, the dual-clip correction (`clip_ratio_c`), each reduced like the policy loss (`_aggregate`).
 4. `_prepare_inputs` is TRL's; with `steps_per_generation != gradient_accumulation_steps` the token count that
    normalises token-level losses is replaced by that optimizer step's own (`token_level_normalizer`).
+5. `_get_per_token_logps_and_entropies` is TRL's; where one of its chunks of rows (or a micro-batch) holds no image,
+   it runs per chunk with the chunk's own image inputs (`selection.image_chunks`: none for a chunk without an image;
+   TRL's slicing gives such a chunk empty image tensors, which the vision towers refuse).
 
 `tests/test_trl_guard.py` fails loudly when the private signatures used here change.
 """
@@ -40,7 +43,9 @@ TRL_PRIVATE_API = {
     "_compute_loss": ("self", "model", "inputs"),
     "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),  # base, ReMax
     "_tokenize_prompts": ("self", "prompts"),  # base (prompts without images in a VLM batch)
-    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep"),
+    # base: its image keywords (`selection.MULTIMODAL_KEYS`, guarded too) split per chunk of `batch_size` rows
+    "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
+                                           "batch_size"),
     "_prepare_inputs": ("self", "generation_batch"),
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
@@ -349,6 +354,14 @@ def accepts_trl_positional(init):
 
     wrapper.accepts_trl_positional = True
     return wrapper
+
+
+def _join_forward_chunks(parts: list[tuple]) -> tuple:
+    """`(logps, entropies, aux_loss)` of a batch from those of its chunks of rows, joined as TRL's
+    `_get_per_token_logps_and_entropies` joins its own: rows concatenated, the MoE aux loss averaged over chunks."""
+    logps, entropies, aux = zip(*parts)
+    return (torch.cat(logps, dim=0), None if entropies[0] is None else torch.cat(entropies, dim=0),
+            None if aux[0] is None else torch.stack(aux).mean())
 
 
 class VariantTrainer(GRPOTrainer):
@@ -695,9 +708,16 @@ class VariantTrainer(GRPOTrainer):
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        result = super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
+        images = {key: kwargs.pop(key) for key in selection.MULTIMODAL_KEYS if key in kwargs}
+        if args or not selection.has_image_less_chunk(images, input_ids.shape[0], kwargs.get("batch_size")):
+            result = super()._get_per_token_logps_and_entropies(  # TRL's slicing: every chunk has an image
+                model, input_ids, attention_mask, logits_to_keep, *args, **kwargs, **images
+            )
+        else:  # TRL's chunks, and a micro-batch, each with its own rows' images: none for rows without one
+            chunks = selection.image_chunks(images, input_ids.shape[0], kwargs.pop("batch_size", None))
+            result = _join_forward_chunks([super(VariantTrainer, self)._get_per_token_logps_and_entropies(
+                model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kwargs, **chunk_images)
+                for start, end, chunk_images in chunks])
         if self._capture_logps:  # the policy log-probs (with grad) of the loss's forward pass
             self._captured_logps = result[0]
         return result
@@ -827,8 +847,8 @@ class VariantTrainer(GRPOTrainer):
                                     f"more forward pass of the policy instead (logged as {FORWARD_FALLBACK_METRIC})")
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-        with torch.no_grad():  # the image inputs too (TRL slices them per chunk of rows, as in its own forwards)
-            old, _, _ = super()._get_per_token_logps_and_entropies(
+        with torch.no_grad():  # the image inputs too (each chunk of rows gets its own, as in TRL's forwards)
+            old, _, _ = self._get_per_token_logps_and_entropies(
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size if self.model.training
                 else self.args.per_device_eval_batch_size,
