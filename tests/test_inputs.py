@@ -33,6 +33,35 @@ def test_overlong_builtin_takes_lengths_from_the_run(tmp_path):
     assert reward(completion_ids=[[0] * 80, [0] * 90, [0] * 101]) == [0.0, -0.5, -1.0]
 
 
+CPU = ["--use_cpu", "true", "--bf16", "false"]
+
+
+def test_overlong_rewards_take_dapos_cache_rule(tmp_path):
+    """One rule for the overlong penalty's cache, DAPO's config (`effective_overlong_cache_length`): the built-in
+    `overlong` and TRL's by name take it for every algorithm, DAPO's explicit `overlong_cache_length` included; where
+    it is 0 tokens (below 5 tokens of `max_completion_length`, or set so) the penalty would be a no-op: an error."""
+    from trl_ppo_variants.trainers.dapo import default_overlong_cache_length
+
+    common = ["--output_dir", str(tmp_path), *CPU]
+    for length in range(5, 13):
+        _, train, _, _ = parse("rloo", [*common, "--max_completion_length", str(length)])
+        _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", str(length)])
+        for name in ("overlong", "get_soft_overlong_punishment"):
+            assert inputs.resolve_reward(name, train).soft_punish_cache == dapo.effective_overlong_cache_length
+        assert dapo.effective_overlong_cache_length == default_overlong_cache_length(length) == length // 5
+    _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", "100", "--overlong_cache_length", "7"])
+    assert inputs.resolve_reward("overlong", dapo).soft_punish_cache == 7
+    _, short, _, _ = parse("rloo", [*common, "--max_completion_length", "4"])
+    with pytest.raises(inputs.CLIError, match="reward_funcs: 'overlong' penalises nothing with a cache of 0 tokens "
+                                              r"\(20% of max_completion_length=4, rounded down\): expected "
+                                              "max_completion_length >= 5$"):
+        inputs.resolve_reward("overlong", short)
+    _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", "100", "--overlong_cache_length", "0"])
+    with pytest.raises(inputs.CLIError, match=r"cache of 0 tokens \(overlong_cache_length=0\): expected "
+                                              "overlong_cache_length >= 1$"):
+        inputs.resolve_reward("get_soft_overlong_punishment", dapo)
+
+
 @pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
 def test_local_dataset_formats(tmp_path, toy_dataset, fmt):
     path = tmp_path / f"data.{fmt}"

@@ -145,25 +145,39 @@ def builtin_reward_names() -> list[str]:
 
 
 #: TRL's own reward functions (`trl.rewards`) by the short names `trl grpo` accepts. `get_soft_overlong_punishment`
-#: takes its lengths from the run (`max_completion_length`, and DAPO's `overlong_cache_length` or 20% of it), where
-#: `trl grpo` fixes them at 1280 / 256; the accuracy rewards need `math-verify` and read the `solution` column.
+#: takes its lengths from the run (`_overlong_lengths`), where `trl grpo` fixes them at 1280 / 256; the accuracy
+#: rewards need `math-verify` and read the `solution` column.
 TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
 _NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
 
 
-def _overlong_lengths(training_args) -> dict:
-    """The overlong penalty's lengths from the run (DAPO Eq. 13: the cache is `overlong_cache_length`, else 20% of
-    `max_completion_length`, the paper's 4096 / 20480)."""
+def _overlong_lengths(training_args, spec: str, field_name: str) -> dict:
+    """The overlong penalty's lengths from the run, by DAPO's rule (Eq. 13): `max_completion_length`, and the cache
+    DAPO's config says (`overlong_cache_length`, else `default_overlong_cache_length`: 20% of it, rounded down). A
+    cache of 0 tokens penalises nothing (no completion exceeds `max_completion_length`): an error, not a no-op."""
+    from .trainers.dapo import default_overlong_cache_length
+
     max_len = int(training_args.max_completion_length)
-    cache = getattr(training_args, "overlong_cache_length", None) or max(1, max_len // 5)
+    cache = getattr(training_args, "effective_overlong_cache_length", None)
+    if cache is None:
+        cache = default_overlong_cache_length(max_len)
+    if cache < 1:
+        if getattr(training_args, "overlong_cache_length", None) is not None:
+            why, expected = f"overlong_cache_length={cache}", "overlong_cache_length >= 1"
+        else:
+            why = f"20% of max_completion_length={max_len}, rounded down"
+            expected = "max_completion_length >= 5" + (" or overlong_cache_length >= 1"
+                                                      if hasattr(training_args, "overlong_cache_length") else "")
+        raise CLIError(f"{field_name}: '{spec}' penalises nothing with a cache of 0 tokens ({why}): expected "
+                       f"{expected}")
     return {"max_completion_len": max_len, "soft_punish_cache": int(cache)}
 
 
-def _builtin_kwargs(name: str, training_args) -> dict:
+def _builtin_kwargs(name: str, training_args, field_name: str) -> dict:
     """Settings a built-in reward takes from the run: the overlong penalty's lengths."""
     if name != "overlong" or training_args is None:
         return {}
-    return _overlong_lengths(training_args)
+    return _overlong_lengths(training_args, name, field_name)
 
 
 def _trl_reward(name: str, training_args, field_name: str):
@@ -172,7 +186,7 @@ def _trl_reward(name: str, training_args, field_name: str):
     from trl import rewards as trl_rewards
 
     if name == "get_soft_overlong_punishment":
-        lengths = _overlong_lengths(training_args) if training_args is not None else \
+        lengths = _overlong_lengths(training_args, name, field_name) if training_args is not None else \
             {"max_completion_len": 1280, "soft_punish_cache": 256}  # `trl grpo`'s
         return trl_rewards.get_soft_overlong_punishment(**lengths)
     return getattr(trl_rewards, name)
@@ -191,7 +205,7 @@ def resolve_reward(spec: str, training_args=None, field_name: str = "reward_func
         from .rewards import get_reward_function
 
         try:
-            return get_reward_function(spec, **_builtin_kwargs(spec, training_args))
+            return get_reward_function(spec, **_builtin_kwargs(spec, training_args, field_name))
         except ValueError as e:
             raise CLIError(f"{field_name}: '{spec}': {one_line(e)}") from e
     if spec in TRL_REWARDS:
