@@ -1,6 +1,8 @@
-"""What the benchmarks run: one registry of the trainers compared (TRL's own and this package's), and the meters
-that both the CPU suite (`bench/suite.py`) and the GPU run (`bench/gpu_bench.py`) attach to a trainer.
+"""What the benchmarks run: the rows compared (TRL's own trainers, and this package's algorithms each with the
+benchmark's settings), and the meters that both the CPU suite (`bench/suite.py`) and the GPU run
+(`bench/gpu_bench.py`) attach to a trainer.
 
+A row of ours names its algorithm; where its module, classes and label come from is `trl_ppo_variants.algorithms`.
 A trainer whose module does not exist yet (or fails to import) is reported as skipped with the reason; nothing here
 assumes that every algorithm of the package is present.
 """
@@ -10,6 +12,8 @@ from __future__ import annotations
 import importlib
 import time
 from dataclasses import dataclass, field
+
+from trl_ppo_variants.algorithms import ALGORITHMS, REGISTRY
 
 # Step-time ratio targets to GRPO with the same settings, from the trainer issues (see `Algo.target`).
 TOLERANCE = 1.05
@@ -45,6 +49,7 @@ class Algo:
     reward: str = "addition"  # "addition": the toy task's reward; "own": the trainer brings its reward (TTRL)
     group_size: callable = field(default=lambda g: g)  # generations per prompt (TTRL: n_votes)
     batch_scale: int = 1  # generated rows per step relative to the shared batch (TTRL n_votes = 2 n_train: 2)
+    cost: float = 1.0  # expected step time relative to GRPO's, to decide whether the row still fits a time budget
 
     def load(self):
         """(ConfigCls, TrainerCls); raises `MissingTrainer` with a one-line reason when not available."""
@@ -66,33 +71,34 @@ class MissingTrainer(Exception):
     pass
 
 
-_OURS = "trl_ppo_variants.trainers."
+def ours(name: str, overrides, label: str | None = None, algorithm: str | None = None, **kwargs) -> Algo:
+    """A row training one of this package's algorithms (`algorithm`, default `name`) with the benchmark's `overrides`;
+    its module, classes and (by default) label are the registry's."""
+    entry = REGISTRY[algorithm or name]
+    return Algo(name, label or entry.label, entry.module_path, entry.config, entry.trainer, overrides, **kwargs)
+
+
 _NO_REF = {"beta": 0.0, "kl_in_reward_coef": 0.0}  # same beta as the GRPO row: no reference model anywhere
 
 ALGOS = [
     Algo("grpo", "GRPO (TRL)", "trl", "GRPOConfig", "GRPOTrainer", lambda g: {"beta": 0.0}),
     Algo("trl_rloo", "RLOO (TRL)", "trl", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.0}),
-    Algo("rloo", "RLOO", _OURS + "rloo", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.0}, target="time"),
-    Algo("remax", "ReMax", _OURS + "remax", "ReMaxConfig", "ReMaxTrainer", lambda g: dict(_NO_REF), target="remax"),
-    Algo("reinforce_pp", "REINFORCE++", _OURS + "reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
-         lambda g: dict(_NO_REF), target="time"),
-    Algo("reinforce_pp_baseline", "REINFORCE++-baseline", _OURS + "reinforce_pp", "ReinforcePPConfig",
-         "ReinforcePPTrainer", lambda g: dict(_NO_REF, baseline=True), target="time"),
-    Algo("dapo", "DAPO", _OURS + "dapo", "DAPOConfig", "DAPOTrainer",
-         lambda g: {"beta": 0.0, "max_generation_rounds": 8}, target="dapo"),
+    ours("rloo", lambda g: {"beta": 0.0}, target="time"),
+    ours("remax", lambda g: dict(_NO_REF), target="remax", cost=1.2),
+    ours("reinforce_pp", lambda g: dict(_NO_REF), target="time"),
+    ours("reinforce_pp_baseline", lambda g: dict(_NO_REF, baseline=True), target="time"),
+    ours("dapo", lambda g: {"beta": 0.0, "max_generation_rounds": 8}, target="dapo", cost=1.3),
     # PPO's rows pin the full critic (PPO's default until issue 28, the LoRA critic since): the stored results and the
     # labels are the full critic's; the LoRA critic's rows are `ppo_lora_ref` and `vapo_lora`
-    Algo("ppo", "PPO", _OURS + "ppo", "PPOConfig", "PPOTrainer",
-         lambda g: dict(_NO_REF, critic_backbone="full"), target="value"),
-    Algo("vapo", "VAPO", _OURS + "vapo", "VAPOConfig", "VAPOTrainer",
-         # one critic-only step (inside the warm-up, not timed) instead of the paper's 50; the critic's learning rate
-         # VAPO's default: twice the policy's
-         lambda g: dict(_NO_REF, value_pretrain_steps=1, critic_learning_rate=None), target="value"),
-    Algo("ttrl", "TTRL (n_votes = G)", _OURS + "ttrl", "TTRLConfig", "TTRLTrainer",
-         lambda g: {"beta": 0.0, "n_votes": g, "n_train": g}, target="time", reward="own"),
-    Algo("ttrl_2x", "TTRL (n_votes = 2 n_train)", _OURS + "ttrl", "TTRLConfig", "TTRLTrainer",
-         lambda g: {"beta": 0.0, "n_votes": 2 * g, "n_train": g}, reward="own",
-         group_size=lambda g: 2 * g, batch_scale=2),
+    ours("ppo", lambda g: dict(_NO_REF, critic_backbone="full"), target="value", cost=1.8),
+    # one critic-only step (inside the warm-up, not timed) instead of the paper's 50; the critic's learning rate
+    # VAPO's default: twice the policy's
+    ours("vapo", lambda g: dict(_NO_REF, value_pretrain_steps=1, critic_learning_rate=None), target="value",
+         cost=1.8),
+    ours("ttrl", lambda g: {"beta": 0.0, "n_votes": g, "n_train": g}, "TTRL (n_votes = G)", target="time",
+         reward="own"),
+    ours("ttrl_2x", lambda g: {"beta": 0.0, "n_votes": 2 * g, "n_train": g}, "TTRL (n_votes = 2 n_train)", "ttrl",
+         reward="own", group_size=lambda g: 2 * g, batch_scale=2),
 ]
 
 # The same comparison with a reference model loaded (KL to the reference): each row against GRPO with `beta` = 0.04
@@ -106,32 +112,37 @@ ALGOS_REF = [
          baseline="grpo_ref"),
     Algo("trl_rloo_ref", "RLOO (TRL), beta=0.05", "trl", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.05},
          baseline="grpo_ref"),
-    Algo("rloo_ref", "RLOO, beta=0.05", _OURS + "rloo", "RLOOConfig", "RLOOTrainer", lambda g: {"beta": 0.05},
-         baseline="grpo_ref", target="kl", peer="trl_rloo_ref"),
-    Algo("rloo_ref_forward", "RLOO, beta=0.05, log-probs by a forward", _OURS + "rloo", "RLOOConfig", "RLOOTrainer",
-         lambda g: {"beta": 0.05, **_FORWARD}, baseline="grpo_ref"),
-    Algo("reinforce_pp_ref", "REINFORCE++, KL in reward 0.01 (default)", _OURS + "reinforce_pp", "ReinforcePPConfig",
-         "ReinforcePPTrainer", lambda g: {"beta": None}, baseline="grpo_ref", target="kl"),
-    Algo("reinforce_pp_ref_forward", "REINFORCE++, KL in reward 0.01, log-probs by a forward", _OURS + "reinforce_pp",
-         "ReinforcePPConfig", "ReinforcePPTrainer", lambda g: {"beta": None, **_FORWARD}, baseline="grpo_ref"),
-    Algo("reinforce_pp_baseline_ref", "REINFORCE++-baseline, k2 beta=0.04", _OURS + "reinforce_pp",
-         "ReinforcePPConfig", "ReinforcePPTrainer", lambda g: {"beta": KL, "kl_in_reward_coef": 0.0, "baseline": True},
-         baseline="grpo_ref", target="time"),
-    Algo("ppo_ref", "PPO, KL in reward 0.05 (default)", _OURS + "ppo", "PPOConfig", "PPOTrainer",
-         lambda g: {"critic_backbone": "full"}, baseline="grpo_ref", target="value"),
-    Algo("ppo_ref_forward", "PPO, KL in reward 0.05, log-probs by a forward", _OURS + "ppo", "PPOConfig",
-         "PPOTrainer", lambda g: dict(_FORWARD, critic_backbone="full"), baseline="grpo_ref"),
+    ours("rloo_ref", lambda g: {"beta": 0.05}, "RLOO, beta=0.05", "rloo", baseline="grpo_ref", target="kl",
+         peer="trl_rloo_ref"),
+    ours("rloo_ref_forward", lambda g: {"beta": 0.05, **_FORWARD}, "RLOO, beta=0.05, log-probs by a forward", "rloo",
+         baseline="grpo_ref"),
+    ours("reinforce_pp_ref", lambda g: {"beta": None}, "REINFORCE++, KL in reward 0.01 (default)", "reinforce_pp",
+         baseline="grpo_ref", target="kl"),
+    ours("reinforce_pp_ref_forward", lambda g: {"beta": None, **_FORWARD},
+         "REINFORCE++, KL in reward 0.01, log-probs by a forward", "reinforce_pp", baseline="grpo_ref"),
+    ours("reinforce_pp_baseline_ref", lambda g: {"beta": KL, "kl_in_reward_coef": 0.0, "baseline": True},
+         "REINFORCE++-baseline, k2 beta=0.04", "reinforce_pp_baseline", baseline="grpo_ref", target="time"),
+    ours("ppo_ref", lambda g: {"critic_backbone": "full"}, "PPO, KL in reward 0.05 (default)", "ppo",
+         baseline="grpo_ref", target="value"),
+    ours("ppo_ref_forward", lambda g: dict(_FORWARD, critic_backbone="full"),
+         "PPO, KL in reward 0.05, log-probs by a forward", "ppo", baseline="grpo_ref"),
     # Issue 21: PPO and VAPO at GRPO's memory, with the LoRA critic. PPO's default KL loads the reference model, whose
     # weights the critic shares; VAPO has no KL (no reference model), so its critic's frozen weights are a copy: both
     # against GRPO with a reference model
-    Algo("ppo_lora_ref", "PPO, LoRA critic (shares the reference), KL in reward 0.05", _OURS + "ppo", "PPOConfig",
-         "PPOTrainer", lambda g: {"critic_backbone": "lora"}, baseline="grpo_ref", target="value_lora"),
-    Algo("vapo_lora", "VAPO, LoRA critic (frozen copy)", _OURS + "vapo", "VAPOConfig", "VAPOTrainer",
-         lambda g: dict(_NO_REF, value_pretrain_steps=1, critic_learning_rate=None, critic_backbone="lora"),
-         baseline="grpo_ref", target="value_lora"),
+    ours("ppo_lora_ref", lambda g: {"critic_backbone": "lora"},
+         "PPO, LoRA critic (shares the reference), KL in reward 0.05", "ppo", baseline="grpo_ref", target="value_lora"),
+    ours("vapo_lora", lambda g: dict(_NO_REF, value_pretrain_steps=1, critic_learning_rate=None,
+                                     critic_backbone="lora"),
+         "VAPO, LoRA critic (frozen copy)", "vapo", baseline="grpo_ref", target="value_lora"),
 ]
 
 ALL = {a.name: a for a in ALGOS + ALGOS_REF}
+
+
+def algorithm_rows() -> list[str]:
+    """The GRPO baseline row, then the row of each algorithm of the package as it is (the row named after it), in the
+    registry's order: what a benchmark runs by default. An algorithm without a row here is not benchmarked."""
+    return ["grpo"] + [name for name in ALGORITHMS if name in ALL]
 
 
 def target_bound(algo: Algo, group_size: int) -> tuple[str, float] | None:

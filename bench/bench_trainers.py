@@ -41,9 +41,9 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from algos import ALL, MissingTrainer, machine_description, target_check  # noqa: E402
+from algos import ALL, MissingTrainer, algorithm_rows, machine_description, target_check  # noqa: E402
 
-DEFAULT = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl"]
+DEFAULT = algorithm_rows()
 
 
 def _rss_mb(field: str = "VmRSS") -> float:

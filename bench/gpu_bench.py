@@ -51,11 +51,8 @@ QWEN3_06B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
 TINY = dict(QWEN3_06B, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, max_position_embeddings=512)
 
-# Run order: the baseline first, then the targets, TRL's RLOO (a peer) last.
-DEFAULT_ROWS = ["grpo", "rloo", "remax", "reinforce_pp", "dapo", "ppo", "vapo", "ttrl", "reinforce_pp_baseline",
-                "trl_rloo"]
-# Expected step time relative to GRPO, to decide whether a trainer still fits the budget.
-COST_GUESS = {"remax": 1.2, "dapo": 1.3, "ppo": 1.8, "vapo": 1.8}
+# Run order: the baseline first, then every algorithm of the package (the registry's order), TRL's RLOO (a peer) last.
+DEFAULT_ROWS = [*algos.algorithm_rows(), "trl_rloo"]
 
 
 def parse_args(argv=None):
@@ -326,7 +323,7 @@ def main(argv=None):
             left = args.budget_s - (time.perf_counter() - T_START)
             steps, warmup = args.steps, args.warmup
             if grpo_step is not None:  # fit the rest of the budget: fewer steps, then no warm-up, then skip
-                guess = grpo_step * COST_GUESS.get(name, 1.0) + 15  # + loading the model
+                guess = grpo_step * algo.cost + 15  # + loading the model
                 while steps > 1 and (warmup + steps) * guess > left:
                     steps -= 1
                 if (warmup + steps) * guess > left:

@@ -113,10 +113,10 @@ class Task:
         return addition_reward
 
 
-#: the rows of the real-model table: every trainer and the KL-in-reward comparison (a step is ~100x the toy's)
-SMOLLM2_ROWS = ["grpo", "trl_rloo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
-                "ttrl", "grpo_ref", "trl_rloo_ref", "rloo_ref", "rloo_ref_forward", "reinforce_pp_ref", "ppo_ref",
-                "ppo_lora_ref", "vapo_lora"]
+#: the rows of the real-model table: every trainer and the KL-in-reward comparison (a step is ~100x the toy's); they
+#: run in `algos`' order
+SMOLLM2_ROWS = [*algos.algorithm_rows(), "trl_rloo", "grpo_ref", "trl_rloo_ref", "rloo_ref", "rloo_ref_forward",
+                "reinforce_pp_ref", "ppo_ref", "ppo_lora_ref", "vapo_lora"]
 
 TASKS = {
     "toy": Task("toy", lambda a: "Toy task, tiny Qwen3 (hidden 64, 2 layers)", {}),

@@ -24,19 +24,14 @@ from pathlib import Path
 
 import pytest
 
-#: trainer key -> (module, trainer class, config class, fields set on the config's defaults)
+from trl_ppo_variants.algorithms import ALGORITHMS, BASELINE
+
+#: trainer key -> (module, trainer class, config class, fields set on the config's defaults): TRL's GRPO (the
+#: baseline), ours (`our_grpo`), and every algorithm of the registry with the fields its name presets
 TRAINERS = {
     "grpo": ("trl", "GRPOTrainer", "GRPOConfig", {}),
-    "our_grpo": ("trl_ppo_variants", "GRPOTrainer", "GRPOConfig", {}),
-    "rloo": ("trl_ppo_variants", "RLOOTrainer", "RLOOConfig", {}),
-    "remax": ("trl_ppo_variants", "ReMaxTrainer", "ReMaxConfig", {}),
-    "reinforce_pp": ("trl_ppo_variants", "ReinforcePPTrainer", "ReinforcePPConfig", {}),
-    "reinforce_pp_baseline": ("trl_ppo_variants", "ReinforcePPTrainer", "ReinforcePPConfig", {"baseline": True}),
-    "dapo": ("trl_ppo_variants", "DAPOTrainer", "DAPOConfig", {}),
-    "ppo": ("trl_ppo_variants", "PPOTrainer", "PPOConfig", {}),
-    "vapo": ("trl_ppo_variants", "VAPOTrainer", "VAPOConfig", {}),
-    "ttrl": ("trl_ppo_variants", "TTRLTrainer", "TTRLConfig", {}),
-    "process_grpo": ("trl_ppo_variants", "ProcessGRPOTrainer", "ProcessGRPOConfig", {}),
+    "our_grpo": ("trl_ppo_variants", BASELINE.trainer, BASELINE.config, {}),
+    **{name: ("trl_ppo_variants", a.trainer, a.config, dict(a.preset)) for name, a in ALGORITHMS.items()},
 }
 
 _TESTED_MODULE = "test_grpo_trainer"

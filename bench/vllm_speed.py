@@ -41,6 +41,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from trl_ppo_variants.algorithms import ALGORITHMS, BASELINE  # noqa: E402
 from trl_ppo_variants.toy import use_offline_env  # noqa: E402
 
 use_offline_env()
@@ -107,8 +108,7 @@ def instrument(trainer, steps: list) -> None:
 #: what the README recommends on CPU: its HF run is a second GRPO run, a measure of the noise) and "trl"
 #: (`trl.GRPOTrainer`, the demo's reference, with the demo's "grpo" settings); "ours" is kept as a name of this
 #: package's GRPO (the first version of this benchmark)
-TRAINERS = ("grpo", "grpo_is_off", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo",
-            "ttrl", "process_grpo", "trl")
+TRAINERS = (BASELINE.name, "grpo_is_off", *ALGORITHMS, "trl")
 ALIASES = {"ours": "grpo"}
 #: the algorithm a `TRAINERS` name trains (itself where absent)
 ALGORITHM = {"grpo_is_off": "grpo"}

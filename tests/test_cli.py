@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from trl_ppo_variants import cli
+from trl_ppo_variants import algorithms, cli, inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 REWARD = "trl_ppo_variants.toy:addition_reward"
+
+
+def parse(name: str, args: list[str]):
+    """`cli.parse_args` of a command name, resolved as `main` resolves it."""
+    return cli.parse_args(cli.resolve(name), args)
 
 
 @pytest.fixture
@@ -56,7 +61,7 @@ def test_top_level_help_lists_every_algorithm():
     proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for name in cli.ALGORITHMS:
+    for name in algorithms.REGISTRY:
         assert f"\n  {name} " in proc.stdout
     assert "--config" in proc.stdout and "accelerate launch" in proc.stdout
 
@@ -74,12 +79,12 @@ def test_no_arguments_prints_help_and_fails(capsys):
     assert "algorithms:" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("algorithm", [*cli.ALGORITHMS, *cli.BASELINES])
+@pytest.mark.parametrize("algorithm", list(algorithms.REGISTRY))
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_every_algorithm_help_runs(algorithm, flag, capsys):
     """Every error message points to `<algorithm> --help`: it must run for every algorithm (a bare `%` in any field's
     help text went through argparse's %-formatting and crashed DAPO's)."""
-    if not cli.algorithm_available(algorithm):
+    if not algorithms.REGISTRY[algorithm].available():
         pytest.skip(f"{algorithm} is not installed")
     assert cli.main([algorithm, flag]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
@@ -106,8 +111,11 @@ def test_algorithm_help_lists_its_fields(capsys):
 
 
 def test_missing_trainer_module_is_reported_not_crashing(monkeypatch, capsys):
-    monkeypatch.setitem(cli.ALGORITHMS, "future", cli.Algorithm("does_not_exist", "XConfig", "XTrainer", "future"))
-    assert not cli.algorithm_available("future")
+    future = algorithms.Algorithm("future", "Future", "does_not_exist", "XConfig", "XTrainer", "future",
+                                  algorithms.REGISTRY["rloo"].paper)
+    monkeypatch.setitem(algorithms.REGISTRY, "future", future)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "future", future)
+    assert not future.available()
     assert "[not installed: trl_ppo_variants.trainers.does_not_exist]" in cli.top_level_help()
     _one_line_error(capsys, cli.main(["future", "--config", "x.yaml"]), "'future'", "not available",
                     "trl_ppo_variants.trainers.does_not_exist")
@@ -118,9 +126,9 @@ def test_yaml_then_command_line_override(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("learning_rate: 1.0e-6\nnum_generations: 4\nbeta: 0.1\nmax_completion_length: 33\n"
                       "reward_funcs: [math_accuracy]\nenv:\n  TRL_PPO_VARIANTS_TEST_ENV: '7'\n")
-    script, train, model, _ = cli.parse_args("rloo", ["--config", str(recipe), "--learning_rate", "2e-6",
-                                                      "--output_dir", str(tmp_path), "--use_cpu", "true",
-                                                      "--bf16", "false"])
+    script, train, model, _ = parse("rloo", ["--config", str(recipe), "--learning_rate", "2e-6",
+                                             "--output_dir", str(tmp_path), "--use_cpu", "true",
+                                             "--bf16", "false"])
     assert train.learning_rate == 2e-6  # the command line wins
     assert train.max_completion_length == 33 and train.beta == 0.1  # the recipe's values
     assert train.kl_in_reward_coef == 0.1  # RLOOConfig's __post_init__ ran on the parsed values
@@ -131,12 +139,12 @@ def test_yaml_then_command_line_override(tmp_path):
 def test_reinforce_pp_baseline_name_presets_baseline(tmp_path):
     pytest.importorskip("trl_ppo_variants.trainers.reinforce_pp", reason="REINFORCE++ trainer not installed")
     common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
-    _, train, _, _ = cli.parse_args("reinforce_pp_baseline", common)
+    _, train, _, _ = parse("reinforce_pp_baseline", common)
     assert train.baseline is True and train.kl_loss_estimator == "k2"
-    _, train, _, _ = cli.parse_args("reinforce_pp", common)
+    _, train, _, _ = parse("reinforce_pp", common)
     assert train.baseline is False
     with pytest.raises(cli.CLIError, match="baseline: expected True for algorithm 'reinforce_pp_baseline'"):
-        cli.parse_args("reinforce_pp_baseline", common + ["--baseline", "false"])
+        parse("reinforce_pp_baseline", common + ["--baseline", "false"])
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -231,60 +239,6 @@ def test_trl_errors_at_setup_are_one_line(tmp_path, toy_model_dir, toy_jsonl, ca
     args[args.index("--per_device_train_batch_size") + 1] = "3"
     line = _one_line_error(capsys, cli.main(["rloo", *args]))
     assert "num_generations" in line or "divisible" in line, line
-
-
-# ------------------------------------------------------------------------------------------------ data and rewards
-def test_required_columns_from_signatures():
-    def needs_solution(completions, solution, **kwargs):
-        return [0.0] * len(completions)
-
-    def needs_nothing(prompts, completions, completion_ids, trainer_state=None, **kwargs):
-        return [0.0] * len(completions)
-
-    assert cli.required_columns(needs_solution) == ["solution"]
-    assert cli.required_columns(needs_nothing) == []
-    assert cli.required_columns(cli.resolve_reward(REWARD)) == ["answer"]
-    assert cli.required_columns(cli.resolve_reward("format")) == []
-    assert cli.required_columns(cli.resolve_reward("math_accuracy")) == ["answer"]
-
-
-def test_overlong_builtin_takes_lengths_from_the_run(tmp_path):
-    _, train, _, _ = cli.parse_args("rloo", ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false",
-                                             "--max_completion_length", "100"])
-    reward = cli.resolve_reward("overlong", train)
-    assert reward.max_completion_len == 100 and reward.soft_punish_cache == 20  # DAPO's 20% cache
-    assert reward(completion_ids=[[0] * 80, [0] * 90, [0] * 101]) == [0.0, -0.5, -1.0]
-
-
-@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet", "csv"])
-def test_local_dataset_formats(tmp_path, toy_dataset, fmt):
-    path = tmp_path / f"data.{fmt}"
-    small = toy_dataset.select(range(10))
-    {"jsonl": small.to_json, "json": small.to_json, "parquet": small.to_parquet, "csv": small.to_csv}[fmt](str(path))
-    script, train_args, _, dataset_args = cli.parse_args(
-        "rloo", ["--dataset_name", str(path), "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"])
-    train, evaluation = cli.load_train_dataset(script, dataset_args, train_args)
-    assert len(train) == 10 and evaluation is None
-    assert [str(x) for x in train["answer"]] == [str(x) for x in small["answer"]]
-
-
-def test_gsm8k_map_and_system_prompt(tmp_path):
-    data = tmp_path / "gsm8k.jsonl"
-    rows = [{"question": "Tom has 3 apples and buys 1,231 more. How many?",
-             "answer": "3 + 1231 = <<3+1231=1234>>1234\n#### 1,234"},
-            {"question": "What is 2 - 5?", "answer": "2 - 5 = -3\n#### -3"}]
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    script, train_args, _, dataset_args = cli.parse_args(
-        "rloo", ["--dataset_name", str(data), "--dataset_map", "gsm8k", "--system_prompt", "Be brief.",
-                 "--max_train_samples", "1", "--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"])
-    train, _ = cli.load_train_dataset(script, dataset_args, train_args)
-    assert len(train) == 1
-    assert train[0]["answer"] == "1234"
-    assert train[0]["prompt"] == [{"role": "system", "content": "Be brief."},
-                                  {"role": "user", "content": rows[0]["question"]}]
-    assert cli.gsm8k(rows[1])["answer"] == "-3"
-    math_accuracy = cli.resolve_reward("math_accuracy")
-    assert math_accuracy(["so \\boxed{1234}", "1,234", "1233"], answer=["1234"] * 3) == [1.0, 1.0, 0.0]
 
 
 def test_step_reward_funcs_only_where_the_config_takes_them(tmp_path, toy_model_dir, toy_jsonl, capsys,
@@ -396,9 +350,9 @@ def test_resume_from_checkpoint_true_on_the_command_line(tmp_path, toy_model_dir
     """`--resume_from_checkpoint true` is the YAML `true` (the last complete checkpoint of output_dir), not a path
     named 'true'; a missing checkpoint is one line before the model loads."""
     args = _base(toy_model_dir, toy_jsonl, tmp_path) + ["--logging_steps", "1"]
-    _, train, _, _ = cli.parse_args("rloo", [*args, "--resume_from_checkpoint", "true"])
+    _, train, _, _ = parse("rloo", [*args, "--resume_from_checkpoint", "true"])
     assert train.resume_from_checkpoint is True
-    _, train, _, _ = cli.parse_args("rloo", [*args, "--resume_from_checkpoint", "false"])
+    _, train, _, _ = parse("rloo", [*args, "--resume_from_checkpoint", "false"])
     assert train.resume_from_checkpoint is None
     built = []
     original = cli.build_trainer
@@ -426,37 +380,16 @@ def test_reward_funcs_as_a_single_name_or_a_wrong_type(tmp_path, toy_model_dir, 
     recipe.write_text(f"reward_funcs: {REWARD}\nstep_reward_funcs: 5\n")
     args = _base(toy_model_dir, toy_jsonl, tmp_path)
     del args[args.index("--reward_funcs") : args.index("--reward_funcs") + 2]
-    script, *_ = cli.parse_args("process_grpo", ["--config", str(recipe), *args])
-    assert cli.reward_names(script.reward_funcs, "reward_funcs") == [REWARD]  # one function, not its characters
+    script, *_ = parse("process_grpo", ["--config", str(recipe), *args])
+    assert inputs.reward_names(script.reward_funcs, "reward_funcs") == [REWARD]  # one function, not its characters
     _one_line_error(capsys, cli.main(["process_grpo", "--config", str(recipe), *args]),
                     "step_reward_funcs: expected a reward function name or a list of names, got 5")
     recipe.write_text("reward_funcs: 5\n")
     _one_line_error(capsys, cli.main(["rloo", "--config", str(recipe), *args]),
                     "reward_funcs: expected a reward function name or a list of names, got 5")
     recipe.write_text("reward_funcs: math_accuracy\n")
-    prepared = cli.prepare("rloo", ["--config", str(recipe), *args])  # every check short of the model passes
+    prepared = cli.prepare(cli.resolve("rloo"), ["--config", str(recipe), *args])  # every check short of the model
     assert [getattr(f, "__name__", None) for f in prepared["reward_funcs"]] == ["math_accuracy"]
-
-
-def test_trl_reward_functions_by_their_short_names(tmp_path):
-    """TRL's own rewards, by the names `trl grpo` accepts; the unknown-reward error lists them."""
-    from trl import rewards as trl_rewards
-
-    _, train, _, _ = cli.parse_args("dapo", ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false",
-                                             "--max_completion_length", "100", "--overlong_cache_length", "30"])
-    assert cli.resolve_reward("think_format_reward") is trl_rewards.think_format_reward
-    assert cli.resolve_reward("accuracy_reward") is trl_rewards.accuracy_reward
-    assert cli.resolve_reward("reasoning_accuracy_reward") is trl_rewards.reasoning_accuracy_reward
-    assert cli.required_columns(cli.resolve_reward("accuracy_reward")) == ["solution"]
-    overlong = cli.resolve_reward("get_soft_overlong_punishment", train)  # the run's lengths, not 1280 / 256
-    assert overlong(completion_ids=[[0] * 70, [0] * 85, [0] * 101]) == [0.0, -0.5, -1.0]
-    with pytest.raises(cli.CLIError) as err:
-        cli.resolve_reward("think_format_rewad")
-    message = str(err.value)
-    assert "did you mean 'think_format_reward'" in message
-    for name in ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment",
-                 "math_accuracy"):
-        assert name in message
 
 
 def test_grpo_runs_trl_grpo_trainer_from_the_same_command_line(tmp_path, toy_model_dir, toy_jsonl, capsys,
@@ -470,9 +403,9 @@ def test_grpo_runs_trl_grpo_trainer_from_the_same_command_line(tmp_path, toy_mod
     assert cli.main(["grpo", *args]) == 0, capsys.readouterr().err
     import importlib
 
-    module = importlib.import_module(cli.GRPO_BASELINE.module_path)  # the one place naming what `grpo` runs
-    assert type(built[0]) is getattr(module, cli.GRPO_BASELINE.trainer)
-    assert type(built[0].args) is getattr(module, cli.GRPO_BASELINE.config)
+    module = importlib.import_module(algorithms.BASELINE.module_path)  # the one place naming what `grpo` runs
+    assert type(built[0]) is getattr(module, algorithms.BASELINE.trainer)
+    assert type(built[0].args) is getattr(module, algorithms.BASELINE.config)
     assert isinstance(built[0], trl.GRPOTrainer) and isinstance(built[0].args, trl.GRPOConfig)
     assert not built[0].args.prompt_selection or built[0].args.prompt_selection == "none"  # TRL's GRPO by default
     assert "trained grpo for 1 step on 1 process on cpu" in capsys.readouterr().out
@@ -494,13 +427,13 @@ def test_shipped_recipes_by_name(tmp_path, monkeypatch, capsys):
     assert "dapo" in cli.recipe_names() and "smollm2_offline" in cli.recipe_names()
     common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
     for name in ("dapo", "dapo.yaml", "recipes/dapo.yaml"):
-        _, train, model, _ = cli.parse_args("dapo", ["--config", name, *common])
+        _, train, model, _ = parse("dapo", ["--config", name, *common])
         assert train.dynamic_sampling and train.num_generations == 16 and model.model_name_or_path == "Qwen/Qwen3-0.6B"
     (tmp_path / "dapo.yaml").write_text("num_generations: 8\nmax_completion_length: 10\n")
-    _, train, _, _ = cli.parse_args("dapo", ["--config", "dapo.yaml", *common])
+    _, train, _, _ = parse("dapo", ["--config", "dapo.yaml", *common])
     assert train.num_generations == 8
     with pytest.raises(cli.CLIError, match="no such recipe file 'dapoo'.*shipped recipe name.*dapo"):
-        cli.parse_args("dapo", ["--config", "dapoo", *common])
+        parse("dapo", ["--config", "dapoo", *common])
     assert cli.main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert os.path.join(cli.recipes_dir(), "ttrl.yaml") in out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from trl_ppo_variants import demo
-from trl_ppo_variants.cli import ALGORITHMS
+from trl_ppo_variants.algorithms import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,7 +18,7 @@ def _table(text: str, heading: str) -> dict:
 
 
 def test_every_algorithm_has_a_paper_with_bibtex():
-    from trl_ppo_variants.cli import ALGORITHMS
+    from trl_ppo_variants.algorithms import ALGORITHMS
 
     assert set(mc.PAPERS) == set(ALGORITHMS)
     for algo, paper in mc.PAPERS.items():
@@ -31,20 +31,21 @@ def test_every_algorithm_has_a_paper_with_bibtex():
 
 
 def test_algorithm_of_maps_trainer_classes_and_the_baseline_variant():
-    class Args:
-        baseline = True
+    import trl
 
-    for cls_name, algo in [("ReMaxTrainer", "remax"), ("RLOOTrainer", "rloo"), ("DAPOTrainer", "dapo"),
-                           ("PPOTrainer", "ppo"), ("VAPOTrainer", "vapo"), ("TTRLTrainer", "ttrl"),
-                           ("ReinforcePPTrainer", "reinforce_pp")]:
-        assert mc.algorithm_of(type(cls_name, (), {})) == algo
-    reinforce = type("ReinforcePPTrainer", (), {})
-    assert mc.algorithm_of(reinforce, Args()) == "reinforce_pp_baseline"
+    from trl_ppo_variants.algorithms import ALGORITHMS, BASELINE
+
+    for name, algorithm in ALGORITHMS.items():
+        args = type("Args", (), dict(algorithm.preset))()
+        assert mc.algorithm_of(algorithm.classes()[1], args) == name
+    reinforce = ALGORITHMS["reinforce_pp"].classes()[1]
+    assert mc.algorithm_of(reinforce) == "reinforce_pp"  # no args: the plain variant
     # a user's subclass is still its algorithm; VAPO (a PPOTrainer subclass) is VAPO, not PPO
-    ppo = type("PPOTrainer", (), {})
-    vapo = type("VAPOTrainer", (ppo,), {})
+    vapo = ALGORITHMS["vapo"].classes()[1]
     assert mc.algorithm_of(type("MyVAPO", (vapo,), {})) == "vapo"
-    assert mc.algorithm_of(type("GRPOTrainer", (), {})) is None
+    # the baseline cites TRL's GRPO paper itself; another package's trainer of the same name is not ours
+    assert mc.algorithm_of(BASELINE.classes()[1]) is None and mc.algorithm_of(trl.GRPOTrainer) is None
+    assert mc.algorithm_of(type("PPOTrainer", (), {})) is None
 
 
 def test_final_metrics_are_the_last_finite_values():

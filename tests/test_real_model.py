@@ -18,6 +18,7 @@ import math
 import pytest
 import torch
 
+from trl_ppo_variants.algorithms import REGISTRY
 from trl_ppo_variants.cli import load_algorithm
 from trl_ppo_variants.rewards import math_accuracy
 
@@ -39,8 +40,7 @@ MAX_LEN = 12
 PROBLEM = [{"role": "system", "content": "Reply with only the number."},
            {"role": "user", "content": "Anna has 7 pens and gets 5 more. How many pens does Anna have now?"}]
 YES_NO = [{"role": "user", "content": "Is 7 larger than 3? Answer yes or no."}]
-ALGOS = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
-         "process_grpo"]
+ALGOS = list(REGISTRY)  # every command: the baseline and each algorithm (a new one needs its SETTINGS below)
 # half of the trainers mask truncated completions out of the loss, half do not (both paths on every family)
 MASK_TRUNCATED = {"grpo": True, "rloo": False, "remax": True, "reinforce_pp": True, "reinforce_pp_baseline": False,
                   "dapo": True, "ppo": False, "vapo": True, "ttrl": False, "process_grpo": True}

@@ -52,12 +52,6 @@ def test_demo_takes_a_list_of_algorithms_as_make_demo_does(tmp_path, capsys):
     assert [r[0] for r in rows] == ["rloo", "reinforce_pp"]
 
 
-def test_demo_covers_every_algorithm():
-    from trl_ppo_variants.cli import ALGORITHMS
-
-    assert set(demo.ALGO_SETTINGS) == set(ALGORITHMS)  # a new algorithm gets toy settings, or fails here
-
-
 def test_demo_module_help_runs_offline():
     proc = subprocess.run([sys.executable, "-m", "trl_ppo_variants.toy_demo", "--help"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)

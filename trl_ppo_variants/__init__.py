@@ -8,31 +8,13 @@ from __future__ import annotations
 
 import importlib
 
+from .algorithms import exports as _exports
+
 __version__ = "0.1.0"
 
-# public name -> module that defines it (imported lazily: `import trl_ppo_variants` stays cheap)
-_EXPORTS = {
-    "VariantConfig": "trainers.base",
-    "VariantTrainer": "trainers.base",
-    "GRPOConfig": "trainers.grpo",
-    "GRPOTrainer": "trainers.grpo",
-    "RLOOConfig": "trainers.rloo",
-    "RLOOTrainer": "trainers.rloo",
-    "ReMaxConfig": "trainers.remax",
-    "ReMaxTrainer": "trainers.remax",
-    "ReinforcePPConfig": "trainers.reinforce_pp",
-    "ReinforcePPTrainer": "trainers.reinforce_pp",
-    "DAPOConfig": "trainers.dapo",
-    "DAPOTrainer": "trainers.dapo",
-    "PPOConfig": "trainers.ppo",
-    "PPOTrainer": "trainers.ppo",
-    "VAPOConfig": "trainers.vapo",
-    "VAPOTrainer": "trainers.vapo",
-    "TTRLConfig": "trainers.ttrl",
-    "TTRLTrainer": "trainers.ttrl",
-    "ProcessGRPOConfig": "trainers.process_grpo",
-    "ProcessGRPOTrainer": "trainers.process_grpo",
-}
+# public name -> module that defines it (imported lazily: `import trl_ppo_variants` stays cheap); the config and
+# trainer of every entry of `algorithms.REGISTRY`
+_EXPORTS = _exports()
 
 __all__ = sorted(_EXPORTS)
 

@@ -301,6 +301,28 @@ def of_trainer(trainer_or_cls, args=None) -> Algorithm | None:
     return None
 
 
+def installed() -> list[str]:
+    """The names of `ALGORITHMS` whose modules are installed, in their order."""
+    return [name for name, a in ALGORITHMS.items() if a.available()]
+
+
+def parse_algorithm_list(spec: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """The demos' `--algo`: `"all"` (every installed algorithm, after `extra`, e.g. the demo's `grpo` reference) or
+    comma-separated names, each one of `extra` or an installed algorithm; ValueError (one line) otherwise."""
+    if spec.strip() == "all":
+        return [*extra, *installed()]
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    known = [*extra, *ALGORITHMS]
+    if not names:
+        raise ValueError(f"no algorithm named: expected 'all' or one or more of {', '.join(known)}")
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown algorithm '{name}': expected 'all' or one or more of {', '.join(known)}")
+        if name not in extra and not ALGORITHMS[name].available():
+            raise ValueError(f"algorithm '{name}' is not installed")
+    return names
+
+
 def exports() -> dict[str, str]:
     """Public class name -> module under `trl_ppo_variants` that defines it (the package's lazy exports)."""
     out = {"VariantConfig": "trainers.base", "VariantTrainer": "trainers.base"}

@@ -5,6 +5,10 @@ Built on TRL's own `TrlParser` with `ScriptArguments` (here `VariantScriptArgume
 command line (the command line wins). `python -m trl_ppo_variants ...` is the same program, and it runs unchanged under
 `accelerate launch [--config_file recipes/accelerate/<...>.yaml] -m trl_ppo_variants <algorithm> ...`.
 
+The commands are the entries of `trl_ppo_variants.algorithms`; `main` resolves the name once and passes the entry on.
+This module parses (the recipe, the command line) and runs; what the run reads (rewards, data, model) is resolved and
+checked by `trl_ppo_variants.inputs`.
+
 Bad input is reported as one line on stderr naming the thing and what was expected, with exit status 2, and is
 checked cheaply (recipe keys, reward functions, model path, dataset columns) before any model is loaded. A failure
 during training is one line too (exit status 1); set `TRL_PPO_VARIANTS_TRACEBACK=1` to see the traceback instead.
@@ -16,222 +20,80 @@ is its built-in arithmetic word-problem task (`recipes/smollm2_offline.yaml` use
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import importlib
-import importlib.util
 import os
 import re
 import sys
+import textwrap
 import warnings
-from dataclasses import dataclass, field
 
-from .rewards import required_columns  # noqa: F401 - the CLI's check of dataset columns, and the API's name
+from .algorithms import ALGORITHMS, BASELINE, REGISTRY, Algorithm
+from .inputs import (
+    CLIError,
+    VariantScriptArguments,
+    check_model_path,
+    check_output_dir,
+    check_report_to,
+    check_resume,
+    check_reward_columns,
+    dataset_hub_id,
+    is_model_alias,
+    load_train_dataset,
+    one_line,
+    resolve_model_alias,
+    resolve_reward,
+    reward_names,
+)
 
 PROG = "trl-ppo-variants"
 TRACEBACK_ENV = "TRL_PPO_VARIANTS_TRACEBACK"
 
 
-@dataclass(frozen=True)
-class Algorithm:
-    module: str  # under `package`
-    config: str
-    trainer: str
-    summary: str
-    defaults: tuple = ()  # (field, value) pairs this algorithm name presets (YAML and the command line may not contradict)
-    own_reward: bool = False  # the trainer computes its reward itself (TTRL's majority vote): reward_funcs optional
-    package: str = "trl_ppo_variants.trainers"  # "" when `module` is a full module path
-
-    @property
-    def module_path(self) -> str:
-        return f"{self.package}.{self.module}" if self.package else self.module
-
-
-ALGORITHMS: dict[str, Algorithm] = {
-    "remax": Algorithm("remax", "ReMaxConfig", "ReMaxTrainer", "ReMax: greedy-decoding baseline (arXiv 2310.10505)"),
-    "rloo": Algorithm("rloo", "RLOOConfig", "RLOOTrainer", "RLOO: leave-one-out baseline (arXiv 2402.14740)"),
-    "reinforce_pp": Algorithm("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
-                              "REINFORCE++: global advantage normalisation, KL in the reward (arXiv 2501.03262)",
-                              (("baseline", False),)),
-    "reinforce_pp_baseline": Algorithm("reinforce_pp", "ReinforcePPConfig", "ReinforcePPTrainer",
-                                       "REINFORCE++-baseline: group-mean baseline, k2 KL loss (arXiv 2501.03262)",
-                                       (("baseline", True),)),
-    "dapo": Algorithm("dapo", "DAPOConfig", "DAPOTrainer",
-                      "DAPO: clip-higher, dynamic sampling, token-level loss, overlong shaping (arXiv 2503.14476)"),
-    "ppo": Algorithm("ppo", "PPOConfig", "PPOTrainer", "PPO with a learned critic and GAE (arXiv 1707.06347)"),
-    "vapo": Algorithm("vapo", "VAPOConfig", "VAPOTrainer",
-                      "VAPO: value-pretrained, decoupled/length-adaptive GAE PPO (arXiv 2504.05118)"),
-    "ttrl": Algorithm("ttrl", "TTRLConfig", "TTRLTrainer",
-                      "TTRL: label-free RL from majority-vote rewards (arXiv 2504.16084)", own_reward=True),
-    "process_grpo": Algorithm("process_grpo", "ProcessGRPOConfig", "ProcessGRPOTrainer",
-                              "GRPO with process supervision: step rewards normalised per group (arXiv 2402.03300)"),
-}
-
-
-#: `trl-ppo-variants grpo`: GRPO, the baseline every algorithm here is compared with, run from the same recipes and
-#: command line. It is `trl_ppo_variants.GRPOTrainer`: with its fields at their defaults it trains bit-identically to
-#: `trl.GRPOTrainer` (tests/test_screening.py), and one field turns on prompt selection (`prompt_selection: speed`).
-#: The one place that says which trainer and config it runs; nothing else in the CLI names them.
-GRPO_BASELINE = Algorithm("grpo", "GRPOConfig", "GRPOTrainer",
-                          "GRPO: TRL's GRPOTrainer, the baseline to compare with (arXiv 2402.03300), plus "
-                          "prompt_selection (SPEED / GRESO / dynamic sampling)")
-
-#: commands that run a trainer that is not one of this package's algorithms
-BASELINES: dict[str, Algorithm] = {"grpo": GRPO_BASELINE}
-
-
-def command_spec(name: str) -> Algorithm | None:
-    """The `Algorithm` a command name runs (one of ours or a baseline), or None."""
-    return ALGORITHMS.get(name) or BASELINES.get(name)
-
-
-class CLIError(Exception):
-    """Bad input: printed as one line on stderr, exit status 2."""
-
-
-@dataclass
-class VariantScriptArguments:
-    r"""
-    Arguments of the `trl-ppo-variants` command that are not training fields (those are the algorithm's config).
-    Same names as `trl.ScriptArguments` and `trl grpo`'s script arguments where they exist.
-
-    Parameters:
-        dataset_name (`str`, *optional*):
-            A Hub dataset id, or a local path: a JSON/JSONL/Parquet/CSV file, a folder of such files, or a folder
-            written by `Dataset.save_to_disk`, or a built-in name (`"word_problems"`: the offline arithmetic word
-            problems of `trl_ppo_variants.smollm2`, splits `train` and `test`). Ignored when `datasets` (a TRL dataset
-            mixture) is given.
-        dataset_config (`str`, *optional*):
-            The dataset configuration (`name` of `datasets.load_dataset`), e.g. `"main"` for GSM8K.
-        dataset_train_split (`str`, *optional*, defaults to `"train"`):
-            Split to train on.
-        dataset_test_split (`str`, *optional*, defaults to `"test"`):
-            Split to evaluate on when `eval_strategy != "no"`.
-        dataset_streaming (`bool`, *optional*, defaults to `False`):
-            Stream the dataset.
-        prompt_column (`str`, *optional*, defaults to `"prompt"`):
-            Column holding the prompts; renamed to `"prompt"`, the column TRL trainers read.
-        system_prompt (`str`, *optional*):
-            When set, every plain-text prompt becomes a conversation `[system, user]` (the chat template is applied).
-        max_train_samples (`int`, *optional*):
-            Keep only the first `max_train_samples` rows of the training split.
-        dataset_map (`str`, *optional*):
-            Preprocessing applied to every row (with `datasets.map`) before the prompt column is read: a built-in
-            name (`"gsm8k"`: `question` -> `prompt`, `answer` -> the number after `####`, the worked solution kept as
-            `solution`) or `"module:function"` taking a row and returning the columns to add or replace.
-        reward_funcs (`list[str]` or `str`, *optional*):
-            Reward functions: built-in names of `trl_ppo_variants.rewards`, TRL's own by the names `trl grpo` accepts
-            (`accuracy_reward`, `reasoning_accuracy_reward`, `think_format_reward`, `get_soft_overlong_punishment`),
-            `"module:function"`, or a dotted import path `"package.module.function"` as in `trl grpo`. One name may
-            be given as a plain string. A function's arguments without a default (other than `prompts`,
-            `completions`, `completion_ids`) name the dataset columns it needs.
-        reward_model_name_or_path (`str`, *optional*):
-            A sequence-classification reward model (Hub id or local directory), used in addition to `reward_funcs`.
-        step_reward_funcs (`list[str]`, *optional*):
-            Step reward functions (process supervision), named as `reward_funcs`, each returning per completion a
-            list with one reward per step (`trl_ppo_variants.process`). Taken by the algorithms whose config has
-            `step_separator` (process_grpo, ppo, vapo, reinforce_pp); their outcome rewards stay in `reward_funcs`.
-        base_model (`str`, *optional*):
-            The Hub id the model card names as `base_model` when `model_name_or_path` is a local folder holding a
-            copy of that Hub model. Without it the card has a `base_model` for a Hub id, for the built-in
-            `smollm2-135m-instruct` (`HuggingFaceTB/SmolLM2-135M-Instruct`) and for a folder of the Hub cache.
-    """
-
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "Hub dataset id, a local JSON/JSONL/Parquet/CSV file or folder, or a built-in "
-                                   "name ('word_problems')."}
-    )
-    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (e.g. 'main')."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str = field(default="test", metadata={"help": "Split to evaluate on."})
-    dataset_streaming: bool = field(default=False, metadata={"help": "Stream the dataset."})
-    prompt_column: str = field(
-        default="prompt", metadata={"help": "Column holding the prompts; renamed to 'prompt'."}
-    )
-    system_prompt: str | None = field(
-        default=None, metadata={"help": "Turn plain-text prompts into [system, user] conversations."}
-    )
-    max_train_samples: int | None = field(
-        default=None, metadata={"help": "Keep only the first N rows of the training split."}
-    )
-    dataset_map: str | None = field(
-        default=None,
-        metadata={"help": "Row preprocessing before training: a built-in name ('gsm8k') or 'module:function' "
-                          "(row -> dict of new/changed columns)."},
-    )
-    reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={"help": "Reward functions: built-in names, TRL's (accuracy_reward, think_format_reward, ...), "
-                          "'module:function', or 'package.module.function'."},
-    )
-    reward_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "A sequence-classification reward model (Hub id or local directory)."}
-    )
-    step_reward_funcs: list[str] | None = field(
-        default=None,
-        metadata={"help": "Step reward functions (one reward per step of a completion), named as reward_funcs."},
-    )
-    base_model: str | None = field(
-        default=None,
-        metadata={"help": "Hub id written as the model card's base_model when model_name_or_path is a local folder "
-                          "(a copy of that Hub model)."},
-    )
-
-
 # ------------------------------------------------------------------------------------------------- algorithms
-def algorithm_available(name: str) -> bool:
-    """Whether the algorithm's module is installed (cheap: finds the module without importing it)."""
+def resolve(name: str) -> Algorithm:
+    """The registry entry of a command name, or a CLIError: unknown (with a did-you-mean) or not installed. `main`
+    resolves the name once and passes the entry on."""
+    algorithm = REGISTRY.get(name)
+    if algorithm is None:
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise CLIError(f"unknown algorithm '{name}': expected one of {', '.join(REGISTRY)}{hint}")
+    if not algorithm.available():
+        raise CLIError(f"algorithm '{name}' is not available in this installation: module {algorithm.module_path} "
+                       "is missing")
+    return algorithm
+
+
+def load_classes(algorithm: Algorithm):
+    """(config class, trainer class) of an installed algorithm, or a CLIError naming what failed."""
+    a = algorithm
     try:
-        return importlib.util.find_spec(command_spec(name).module_path) is not None
-    except ModuleNotFoundError:  # a parent package of the module is missing
-        return False
-
-
-def installed_algorithms() -> list[str]:
-    """The names of `ALGORITHMS` whose modules are installed, in their order."""
-    return [name for name in ALGORITHMS if algorithm_available(name)]
-
-
-def parse_algorithm_list(spec: str, extra: tuple[str, ...] = ()) -> list[str]:
-    """The demos' `--algo`: `"all"` (every installed algorithm, after `extra`, e.g. the demo's `grpo` reference) or
-    comma-separated names, each one of `extra` or an installed algorithm; ValueError (one line) otherwise."""
-    if spec.strip() == "all":
-        return [*extra, *installed_algorithms()]
-    names = [s.strip() for s in spec.split(",") if s.strip()]
-    known = [*extra, *ALGORITHMS]
-    if not names:
-        raise ValueError(f"no algorithm named: expected 'all' or one or more of {', '.join(known)}")
-    for name in names:
-        if name not in known:
-            raise ValueError(f"unknown algorithm '{name}': expected 'all' or one or more of {', '.join(known)}")
-        if name not in extra and not algorithm_available(name):
-            raise ValueError(f"algorithm '{name}' is not installed")
-    return names
+        module = importlib.import_module(a.module_path)
+    except Exception as e:  # a broken or half-installed trainer must not look like a CLI bug
+        raise CLIError(f"algorithm '{a.name}': importing {a.module_path} failed: {one_line(e)}") from e
+    try:
+        return getattr(module, a.config), getattr(module, a.trainer)
+    except AttributeError as e:
+        raise CLIError(f"algorithm '{a.name}': {a.module_path} does not define {a.config} and {a.trainer}") from e
 
 
 def load_algorithm(name: str):
-    """(config class, trainer class) of an algorithm, or a CLIError naming what is missing."""
-    spec = command_spec(name)
-    if spec is None:
-        commands = [*ALGORITHMS, *BASELINES]
-        close = difflib.get_close_matches(name, commands, n=1)
-        hint = f" (did you mean '{close[0]}'?)" if close else ""
-        raise CLIError(f"unknown algorithm '{name}': expected one of {', '.join(commands)}{hint}")
-    module_name = spec.module_path
-    if not algorithm_available(name):
-        raise CLIError(f"algorithm '{name}' is not available in this installation: module {module_name} is missing")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # a broken or half-installed trainer must not look like a CLI bug
-        raise CLIError(f"algorithm '{name}': importing {module_name} failed: {_one_line(e)}") from e
-    try:
-        return getattr(module, spec.config), getattr(module, spec.trainer)
-    except AttributeError as e:
-        raise CLIError(f"algorithm '{name}': {module_name} does not define {spec.config} and {spec.trainer}") from e
+    """(config class, trainer class) of a command name, or a CLIError naming what is missing."""
+    return load_classes(resolve(name))
+
+
+def describe(algorithm: Algorithm) -> str:
+    """One line on an algorithm: what it changes, its name in prose and its paper."""
+    return f"{algorithm.summary} ({algorithm.label}, arXiv:{algorithm.paper.arxiv_id})"
 
 
 def top_level_help() -> str:
-    width = max(len(n) for n in ALGORITHMS)
+    width = max(len(n) for n in REGISTRY)
+
+    def row(name: str, text: str) -> list[str]:
+        return textwrap.wrap(text, 118, initial_indent=f"  {name:<{width}}  ", subsequent_indent=" " * (width + 4))
+
     lines = [
         f"usage: {PROG} <algorithm> [--config RECIPE.yaml] [--field value ...]",
         f"       python -m trl_ppo_variants <algorithm> ...",
@@ -240,11 +102,9 @@ def top_level_help() -> str:
         "",
         "algorithms:",
     ]
-    for name, spec in ALGORITHMS.items():
-        note = "" if algorithm_available(name) else f"  [not installed: {spec.module_path}]"
-        lines.append(f"  {name:<{width}}  {spec.summary}{note}")
-    lines += ["", "baseline:"]
-    lines += [f"  {name:<{width}}  {spec.summary}" for name, spec in BASELINES.items()]
+    for name, a in ALGORITHMS.items():
+        lines += row(name, describe(a) + ("" if a.available() else f" [not installed: {a.module_path}]"))
+    lines += ["", "baseline:", *row(BASELINE.name, describe(BASELINE))]
     lines += [
         "",
         f"Run `{PROG} <algorithm> --help` for every field of that algorithm (its config, TRL's GRPOConfig, ModelConfig",
@@ -262,11 +122,6 @@ def top_level_help() -> str:
 
 
 # ------------------------------------------------------------------------------------------------- parsing
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return text if text else type(error).__name__
-
-
 def _make_parser_class():
     from trl import TrlParser
 
@@ -279,17 +134,16 @@ def _make_parser_class():
     return _Parser
 
 
-def build_parser(algorithm: str):
+def build_parser(algorithm: Algorithm):
     """The `TrlParser` of an algorithm: script arguments, the algorithm's config, `ModelConfig`, dataset mixture."""
     from trl import DatasetMixtureConfig, ModelConfig
 
-    config_cls, _ = load_algorithm(algorithm)
-    spec = command_spec(algorithm)
+    config_cls, _ = load_classes(algorithm)
     parser = _make_parser_class()(
         (VariantScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig),
-        prog=f"{PROG} {algorithm}",
+        prog=f"{PROG} {algorithm.name}",
         allow_abbrev=False,  # `--learning 1e-5` must be an unknown field, not a silent prefix of learning_rate
-        description=f"{spec.summary}. Every field below can also be set in the --config YAML recipe.",
+        description=f"{describe(algorithm)}. Every field below can also be set in the --config YAML recipe.",
     )
     parser.add_argument("--config", metavar="RECIPE",
                         help="YAML recipe (a file, or the name of a shipped recipe: `trl-ppo-variants recipes`); "
@@ -298,9 +152,8 @@ def build_parser(algorithm: str):
         # argparse %-formats help texts: a bare % ("20%% of ...") in any field's help would crash --help
         if action.help:
             action.help = _PERCENT.sub("%%", action.help)
-    defaults = dict(spec.defaults)
-    if defaults:
-        parser.set_defaults(**defaults)
+    if algorithm.preset:
+        parser.set_defaults(**dict(algorithm.preset))
     return parser
 
 
@@ -375,7 +228,7 @@ def read_recipe(path: str) -> dict:
         with open(path) as f:
             data = yaml.safe_load(f)
     except yaml.YAMLError as e:
-        raise CLIError(f"--config: '{path}' is not valid YAML: {_one_line(e)}") from e
+        raise CLIError(f"--config: '{path}' is not valid YAML: {one_line(e)}") from e
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -401,13 +254,15 @@ def _algorithms_with_field(name: str) -> list[str]:
     import dataclasses
 
     owners = []
-    for algo in installed_algorithms():
+    for a in ALGORITHMS.values():
+        if not a.available():
+            continue
         try:
-            config_cls, _ = load_algorithm(algo)
+            config_cls, _ = load_classes(a)
         except CLIError:
             continue
         if any(f.name == name for f in dataclasses.fields(config_cls)):
-            owners.append(algo)
+            owners.append(a.name)
     return owners
 
 
@@ -445,7 +300,7 @@ def _command_line_value(args: list[str], name: str):
 def _restate_config_error(error: Exception) -> str:
     """A config's `__post_init__` error as one line; transformers' bf16 refusal on a machine without a GPU names
     the fields to set (TRL's configs default to bf16)."""
-    text = _one_line(error)
+    text = one_line(error)
     if "support bf16/gpu" in text:
         return ("bf16: expected false on this machine, which has no GPU with bf16 support (TRL's configs default to "
                 "bf16: true): set use_cpu: true to train on the CPU, or bf16: false")
@@ -462,12 +317,13 @@ def _parse_bool_or_path(value):
     return value
 
 
-def parse_args(algorithm: str, args: list[str], require_model: bool = False):
+def parse_args(algorithm: Algorithm, args: list[str], require_model: bool = False):
     """Parse a recipe and command-line overrides into (script_args, training_args, model_args, dataset_args).
 
     `require_model`: a missing `model_name_or_path` (neither in the recipe nor on the command line) is reported
     before the machine's bf16 refusal."""
     parser = build_parser(algorithm)
+    command = algorithm.name
     fields = parser_fields(parser)
     args = list(args)
     recipe, command_line = {}, args
@@ -477,9 +333,9 @@ def parse_args(algorithm: str, args: list[str], require_model: bool = False):
             raise CLIError("--config: expected the path of a YAML recipe or a recipe name")
         args[i + 1] = resolve_recipe(args[i + 1])
         recipe = read_recipe(args[i + 1])
-        check_recipe_keys(recipe, fields, algorithm, args[i + 1])
+        check_recipe_keys(recipe, fields, command, args[i + 1])
         command_line = args[:i] + args[i + 2 :]
-    _check_command_line_fields(command_line, _option_names(parser), fields, algorithm)
+    _check_command_line_fields(command_line, _option_names(parser), fields, command)
     try:
         *parsed, config_left, cli_left = parser.parse_args_and_config(
             args, return_remaining_strings=True, separate_remaining_strings=True
@@ -495,346 +351,23 @@ def parse_args(algorithm: str, args: list[str], require_model: bool = False):
     left = [a for a in config_left + cli_left if a.startswith("--")] or config_left + cli_left
     if left:
         name = left[0].lstrip("-").split("=")[0]
-        raise _unknown_field(name, left[0], fields, algorithm)
+        raise _unknown_field(name, left[0], fields, command)
     # the namespace of `--config` (declared only for --help; TrlParser consumes it) trails the four dataclasses
     script_args, training_args, model_args, dataset_args = parsed[:4]
-    for key, value in command_spec(algorithm).defaults:
+    for key, value in algorithm.preset:
         if getattr(training_args, key) != value:
-            raise CLIError(f"{key}: expected {value} for algorithm '{algorithm}', got {getattr(training_args, key)}"
+            raise CLIError(f"{key}: expected {value} for algorithm '{command}', got {getattr(training_args, key)}"
                            f" (use another algorithm name instead)")
     training_args.resume_from_checkpoint = _parse_bool_or_path(training_args.resume_from_checkpoint)
     return script_args, training_args, model_args, dataset_args
 
 
-# ------------------------------------------------------------------------------------------------- rewards
-def _import_function(module_name: str, func_name: str, spec: str, field_name: str = "reward_funcs"):
-    if os.getcwd() not in sys.path:  # `module:function` files next to the recipe, as `trl grpo` allows
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        raise CLIError(f"{field_name}: cannot import module '{module_name}' of '{spec}' "
-                       f"(expected 'module:function' importable from the working directory): {_one_line(e)}") from e
-    except Exception as e:
-        raise CLIError(f"{field_name}: importing module '{module_name}' of '{spec}' failed: {_one_line(e)}") from e
-    func = getattr(module, func_name, None)
-    if func is None or not callable(func):
-        raise CLIError(f"{field_name}: module '{module_name}' has no function '{func_name}' (from '{spec}')")
-    return func
-
-
-def builtin_reward_names() -> list[str]:
-    """Names of the built-in reward functions (empty when `trl_ppo_variants.rewards` is not installed)."""
-    try:
-        rewards = importlib.import_module("trl_ppo_variants.rewards")
-    except ImportError:
-        return []
-    return sorted(getattr(rewards, "REWARD_FUNCTIONS", {}))
-
-
-#: TRL's own reward functions (`trl.rewards`) by the short names `trl grpo` accepts. `get_soft_overlong_punishment`
-#: takes its lengths from the run (`max_completion_length`, and DAPO's `overlong_cache_length` or 20% of it), where
-#: `trl grpo` fixes them at 1280 / 256; the accuracy rewards need `math-verify` and read the `solution` column.
-TRL_REWARDS = ("accuracy_reward", "reasoning_accuracy_reward", "think_format_reward", "get_soft_overlong_punishment")
-_NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
-
-
-def _overlong_lengths(training_args) -> dict:
-    """The overlong penalty's lengths from the run (DAPO Eq. 13: the cache is `overlong_cache_length`, else 20% of
-    `max_completion_length`, the paper's 4096 / 20480)."""
-    max_len = int(training_args.max_completion_length)
-    cache = getattr(training_args, "overlong_cache_length", None) or max(1, max_len // 5)
-    return {"max_completion_len": max_len, "soft_punish_cache": int(cache)}
-
-
-def _builtin_kwargs(name: str, training_args) -> dict:
-    """Settings a built-in reward takes from the run: the overlong penalty's lengths."""
-    if name != "overlong" or training_args is None:
-        return {}
-    return _overlong_lengths(training_args)
-
-
-def _trl_reward(name: str, training_args, field_name: str):
-    if name in _NEEDS_MATH_VERIFY and importlib.util.find_spec("math_verify") is None:
-        raise CLIError(f"{field_name}: '{name}' (TRL's) needs the math-verify package (pip install math-verify)")
-    from trl import rewards as trl_rewards
-
-    if name == "get_soft_overlong_punishment":
-        lengths = _overlong_lengths(training_args) if training_args is not None else \
-            {"max_completion_len": 1280, "soft_punish_cache": 256}  # `trl grpo`'s
-        return trl_rewards.get_soft_overlong_punishment(**lengths)
-    return getattr(trl_rewards, name)
-
-
-def resolve_reward(spec: str, training_args=None, field_name: str = "reward_funcs"):
-    """A reward function from its recipe name: `module:function`, a built-in name of this package, a short name of
-    TRL's own (`TRL_REWARDS`), or `package.module.function`."""
-    if not isinstance(spec, str) or not spec:
-        raise CLIError(f"{field_name}: expected a reward function name, got {spec!r}")
-    if ":" in spec:
-        module_name, func_name = spec.rsplit(":", 1)
-        return _import_function(module_name, func_name, spec, field_name)
-    builtins = builtin_reward_names()
-    if spec in builtins:
-        from .rewards import get_reward_function
-
-        try:
-            return get_reward_function(spec, **_builtin_kwargs(spec, training_args))
-        except ValueError as e:
-            raise CLIError(f"{field_name}: '{spec}': {_one_line(e)}") from e
-    if spec in TRL_REWARDS:
-        return _trl_reward(spec, training_args, field_name)
-    if "." in spec:  # TRL's dotted form, as `trl grpo` accepts
-        module_name, func_name = spec.rsplit(".", 1)
-        return _import_function(module_name, func_name, spec, field_name)
-    close = difflib.get_close_matches(spec, [*builtins, *TRL_REWARDS], n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else ""
-    ours = f"one of {', '.join(builtins)} (this package's), " if builtins else ""
-    raise CLIError(f"{field_name}: unknown reward function '{spec}'{hint}: expected {ours}one of "
-                   f"{', '.join(TRL_REWARDS)} (TRL's), 'module:function' or 'package.module.function'")
-
-
-def reward_names(value, field_name: str) -> list[str]:
-    """`reward_funcs` / `step_reward_funcs` as a list of names: a YAML list, or one name as a plain string (`mod:acc`
-    is one function, not a list of characters); anything else is a one-line error naming the field."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, (list, tuple)) and all(isinstance(v, str) and v for v in value):
-        return list(value)
-    raise CLIError(f"{field_name}: expected a reward function name or a list of names, got {value!r}")
-
-
-def _reward_name(func) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
-
-
-# ------------------------------------------------------------------------------------------------- model and data
-def gsm8k(row: dict) -> dict:
-    """openai/gsm8k ("main") -> this package's math format: `question` becomes `prompt`, `answer` (a worked solution
-    ending in `#### 1,234`) becomes the bare final number `1234` that `math_accuracy` compares against; the worked
-    solution is kept as `solution`."""
-    final = row["answer"].rsplit("####", 1)[-1].strip().replace(",", "")
-    return {"prompt": row["question"], "answer": final, "solution": row["answer"]}
-
-
-#: built-in `dataset_map` names
-DATASET_MAPS = {"gsm8k": gsm8k}
-
-
-def resolve_dataset_map(spec: str):
-    if spec in DATASET_MAPS:
-        return DATASET_MAPS[spec]
-    if ":" in spec:
-        module_name, func_name = spec.rsplit(":", 1)
-        return _import_function(module_name, func_name, spec, "dataset_map")
-    raise CLIError(f"dataset_map: unknown map '{spec}': expected one of {', '.join(DATASET_MAPS)} or "
-                   "'module:function'")
-
-
-#: built-in `dataset_name`s: a function returning a `DatasetDict` (a local path of the same name wins)
-BUILTIN_DATASETS = {"word_problems": "trl_ppo_variants.smollm2:word_problem_datasets"}
-
-#: built-in `model_name_or_path`s: a function building (once) and returning a local checkpoint folder
-MODEL_ALIASES = {"smollm2-135m-instruct": "trl_ppo_variants.smollm2:smollm2_checkpoint"}
-
-
-def _builtin(table: dict, name: str | None):
-    """The function a built-in name stands for, or None (a local path of that name is not a built-in)."""
-    if not name or name not in table or os.path.exists(os.path.expanduser(name)):
-        return None
-    module_name, func_name = table[name].split(":")
-    return getattr(importlib.import_module(module_name), func_name)
-
-
-def resolve_model_alias(name: str | None, field_name: str = "model_name_or_path", build: bool = True) -> str | None:
-    """A built-in model name -> its local folder (built and cached on first use when `build`); anything else as is.
-    A missing optional package is a CLIError naming the install command."""
-    builder = _builtin(MODEL_ALIASES, name)
-    if builder is None:
-        return name
-    from .smollm2 import SmolLM2Unavailable, gguf_path
-
-    try:
-        return builder() if build else gguf_path()
-    except SmolLM2Unavailable as e:
-        raise CLIError(f"{field_name}: '{name}' {_one_line(e)}") from None
-
-
-_DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-
-
-def _looks_local(name: str) -> bool:
-    return (name.startswith(("/", "./", "../", "~", "."))
-            or name.count("/") > 1
-            or os.path.splitext(name)[1].lower() in _DATA_BUILDERS)
-
-
-def check_model_path(name: str | None, field_name: str = "model_name_or_path") -> None:
-    """Cheap check before anything is loaded: a local directory holding a model, or a Hub id (cached when offline)."""
-    if not name:
-        raise CLIError(f"{field_name}: expected a Hub model id or a local model directory, got nothing "
-                       f"(set it in the recipe or with --{field_name})")
-    path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        if not any(os.path.isfile(os.path.join(path, f)) for f in ("config.json", "adapter_config.json")):
-            raise CLIError(f"{field_name}: '{name}' has no config.json (expected a folder written by "
-                           "save_pretrained, or a Hub id)")
-        return
-    if os.path.exists(path):
-        raise CLIError(f"{field_name}: '{name}' is a file (expected a model folder or a Hub id)")
-    if _looks_local(name):
-        raise CLIError(f"{field_name}: no such directory '{name}' (expected a local model folder or a Hub id "
-                       "like 'Qwen/Qwen3-0.6B')")
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if constants.HF_HUB_OFFLINE:
-        cached = try_to_load_from_cache(name, "config.json")
-        if not isinstance(cached, str):
-            raise CLIError(f"{field_name}: '{name}' is not a local folder and not in the Hub cache while "
-                           "HF_HUB_OFFLINE is set (expected a local model folder or a cached Hub model)")
-
-
-def _load_local_dataset(path: str, config: str | None, streaming: bool):
-    from datasets import load_dataset, load_from_disk
-
-    if os.path.isfile(path):
-        ext = os.path.splitext(path)[1].lower()
-        if ext not in _DATA_BUILDERS:
-            raise CLIError(f"dataset_name: '{path}' has extension '{ext}' (expected one of "
-                           f"{', '.join(sorted(_DATA_BUILDERS))})")
-        return load_dataset(_DATA_BUILDERS[ext], data_files=path, streaming=streaming)
-    if os.path.isfile(os.path.join(path, "dataset_dict.json")) or os.path.isfile(os.path.join(path, "state.json")):
-        return load_from_disk(path)
-    return load_dataset(path, name=config, streaming=streaming)
-
-
-def load_train_dataset(script_args, dataset_args, training_args):
-    """(train split, eval split or None) with the prompt column named `prompt`; CLIError on anything missing."""
-    from datasets import DatasetDict, IterableDatasetDict
-
-    name = script_args.dataset_name
-    try:
-        if dataset_args.datasets:
-            from trl import get_dataset
-
-            data = get_dataset(dataset_args)
-        elif (builtin := _builtin(BUILTIN_DATASETS, name)) is not None:
-            data = builtin()
-        elif name is None:
-            raise CLIError("dataset_name: expected a Hub dataset id or a local JSON/JSONL/Parquet/CSV path, got "
-                           "nothing (or give a `datasets` mixture)")
-        else:
-            path = os.path.expanduser(name)
-            if os.path.exists(path):
-                data = _load_local_dataset(path, script_args.dataset_config, script_args.dataset_streaming)
-            elif _looks_local(name):
-                raise CLIError(f"dataset_name: no such file or folder '{name}' (expected a local "
-                               "JSON/JSONL/Parquet/CSV path or a Hub dataset id)")
-            else:
-                from datasets import load_dataset
-
-                data = load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
-    except CLIError:
-        raise
-    except Exception as e:
-        raise CLIError(f"dataset_name: could not load '{name}': {_one_line(e)}") from e
-
-    if isinstance(data, (DatasetDict, IterableDatasetDict, dict)):
-        split = script_args.dataset_train_split
-        if split not in data:
-            raise CLIError(f"dataset_train_split: '{split}' is not a split of '{name}' (expected one of "
-                           f"{', '.join(data)})")
-        train = data[split]
-        evaluation = None
-        if getattr(training_args, "eval_strategy", "no") != "no":  # IntervalStrategy is a str enum
-            test = script_args.dataset_test_split
-            if test not in data:
-                raise CLIError(f"dataset_test_split: '{test}' is not a split of '{name}' (expected one of "
-                               f"{', '.join(data)}, or eval_strategy: no)")
-            evaluation = data[test]
-    else:
-        train, evaluation = data, None
-
-    if script_args.max_train_samples is not None:
-        if script_args.max_train_samples < 1:
-            raise CLIError(f"max_train_samples: expected an integer >= 1, got {script_args.max_train_samples}")
-        train = train.select(range(min(script_args.max_train_samples, len(train)))) if hasattr(train, "select") \
-            else train.take(script_args.max_train_samples)
-    if script_args.dataset_map:
-        row_map = resolve_dataset_map(script_args.dataset_map)
-        train, evaluation = (_apply_map(d, row_map, script_args.dataset_map, name) if d is not None else None
-                             for d in (train, evaluation))
-    train = _prepare_prompts(train, script_args, name)
-    if evaluation is not None:
-        evaluation = _prepare_prompts(evaluation, script_args, name)
-    return train, evaluation
-
-
-def _apply_map(dataset, row_map, spec: str, name: str):
-    columns = dataset.column_names
-    try:
-        if columns is not None and hasattr(dataset, "__len__") and len(dataset):  # fail on the first row with a readable message, not in a worker
-            row_map(dict(dataset[0]))
-        return dataset.map(row_map)
-    except KeyError as e:
-        raise CLIError(f"dataset_map: '{spec}' needs the column {e} which '{name}' does not have (columns: "
-                       f"{', '.join(columns or [])})") from e
-    except Exception as e:
-        raise CLIError(f"dataset_map: '{spec}' failed on '{name}': {type(e).__name__}: {_one_line(e)}") from e
-
-
-def _prepare_prompts(dataset, script_args, name):
-    column = script_args.prompt_column
-    columns = dataset.column_names
-    if columns is not None:
-        if column not in columns:
-            raise CLIError(f"prompt_column: the dataset '{name}' has no column '{column}' (expected a column of "
-                           f"prompts; columns: {', '.join(columns)})")
-        if column != "prompt":
-            if "prompt" in columns:
-                dataset = dataset.remove_columns("prompt")
-            dataset = dataset.rename_column(column, "prompt")
-    if script_args.system_prompt:
-        system = script_args.system_prompt
-
-        def to_chat(row):
-            prompt = row["prompt"]
-            if isinstance(prompt, str):
-                prompt = [{"role": "system", "content": system}, {"role": "user", "content": prompt}]
-            return {"prompt": prompt}
-
-        dataset = dataset.map(to_chat)
-    return dataset
-
-
-def check_reward_columns(reward_funcs: list, specs: list[str], dataset, name: str,
-                         field_name: str = "reward_funcs") -> None:
-    columns = dataset.column_names
-    if columns is None:  # a streamed dataset: columns unknown until read; TRL will fail on the first batch
-        return
-    for func, spec in zip(reward_funcs, specs):
-        for col in required_columns(func):
-            if col not in columns:
-                raise CLIError(f"{field_name}: '{spec}' needs the dataset column '{col}', which '{name}' does not "
-                               f"have (columns: {', '.join(columns)})")
-
-
 # ------------------------------------------------------------------------------------------------- the run
-def _dataset_hub_id(name: str | None) -> str | None:
-    """The dataset name worth putting in a model card (Hub ids only; local paths mean nothing to a reader)."""
-    if not name or os.path.exists(os.path.expanduser(name)) or _looks_local(name) or name in BUILTIN_DATASETS:
-        return None
-    return name
-
-
-def prepare(algorithm: str, args: list[str]) -> dict:
+def prepare(algorithm: Algorithm, args: list[str]) -> dict:
     """Every cheap check and load short of the model: returns what `train` needs. Raises CLIError on bad input."""
     script_args, training_args, model_args, dataset_args = parse_args(algorithm, args, require_model=True)
-    spec = command_spec(algorithm)
-    _, trainer_cls = load_algorithm(algorithm)
-    alias = _builtin(MODEL_ALIASES, model_args.model_name_or_path) is not None
+    _, trainer_cls = load_classes(algorithm)
+    alias = is_model_alias(model_args.model_name_or_path)
     if alias:  # the packages it is built from are checked now; the (slow, cached) build waits for the cheap checks
         resolve_model_alias(model_args.model_name_or_path, build=False)
     else:
@@ -845,17 +378,17 @@ def prepare(algorithm: str, args: list[str]) -> dict:
     check_report_to(training_args.report_to)
     check_resume(training_args)
     specs = reward_names(script_args.reward_funcs, "reward_funcs")
-    if spec.own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
+    if algorithm.own_reward:  # the vote is the trainer's own reward, named in recipes for the reader
         specs = [s for s in specs if s != "majority_vote"]
     reward_funcs = [resolve_reward(s, training_args) for s in specs]
     step_specs = reward_names(script_args.step_reward_funcs, "step_reward_funcs")
     takes_steps = hasattr(training_args, "step_separator")
     if step_specs and not takes_steps:
-        raise CLIError(f"step_reward_funcs: expected none for {algorithm} (step rewards are taken by "
-                       f"{', '.join(a for a in ALGORITHMS if _takes_step_rewards(a))})")
+        raise CLIError(f"step_reward_funcs: expected none for {algorithm.name} (step rewards are taken by "
+                       f"{', '.join(a.name for a in ALGORITHMS.values() if _takes_step_rewards(a))})")
     step_reward_funcs = [resolve_reward(s, training_args, "step_reward_funcs") for s in step_specs]
     has_steps = bool(step_reward_funcs) or bool(getattr(training_args, "process_reward_model_path", None))
-    if not reward_funcs and not script_args.reward_model_name_or_path and not spec.own_reward and not has_steps:
+    if not reward_funcs and not script_args.reward_model_name_or_path and not algorithm.own_reward and not has_steps:
         raise CLIError("reward_funcs: expected at least one reward function (a built-in name or 'module:function') "
                        "or reward_model_name_or_path" + (", step_reward_funcs or process_reward_model_path"
                                                          if takes_steps else ""))
@@ -876,78 +409,13 @@ def prepare(algorithm: str, args: list[str]) -> dict:
                 evaluation=evaluation)
 
 
-def check_output_dir(path: str | None) -> None:
-    """`output_dir` must be a folder that can be created and written (transformers fails only after the model has
-    loaded)."""
-    if not path:
-        return
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise CLIError(f"output_dir: '{path}' is a file (expected a folder, existing or not)")
-    parent = path
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise CLIError(f"output_dir: cannot create '{path}': '{parent}' is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CLIError(f"output_dir: cannot write to '{parent}' (permission denied)")
-
-
-#: the package to install for a `report_to` integration, where its name is not the integration's
-_REPORT_TO_PACKAGES = {"tensorboard": "tensorboard", "comet_ml": "comet-ml", "azure_ml": "azureml-core",
-                       "neptune": "neptune", "codecarbon": "codecarbon", "dagshub": "dagshub mlflow",
-                       "flyte": "flytekit", "dvclive": "dvclive", "kubeflow": "kubeflow"}
-
-
-def check_report_to(report_to) -> None:
-    """Every `report_to` tracker is known and its package installed (transformers fails after the model loads)."""
-    from transformers.integrations import get_available_reporting_integrations
-    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
-
-    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
-    available = None
-    for name in names:
-        if name in ("none", "all"):
-            continue
-        if name not in INTEGRATION_TO_CALLBACK:
-            close = difflib.get_close_matches(str(name), INTEGRATION_TO_CALLBACK, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise CLIError(f"report_to: unknown tracker '{name}'{hint}: expected none, all, or one or more of "
-                           f"{', '.join(INTEGRATION_TO_CALLBACK)}")
-        if available is None:
-            available = get_available_reporting_integrations()
-        if name not in available:
-            package = _REPORT_TO_PACKAGES.get(name, name)
-            raise CLIError(f"report_to: '{name}' needs the `{package}` package, which is not installed "
-                           f"(pip install {package}), or use report_to: none")
-
-
-def check_resume(training_args) -> None:
-    """`resume_from_checkpoint` (True: the last complete checkpoint of output_dir; a path: that checkpoint) is
-    checked before the model loads: a missing or half-written checkpoint is one line naming the field."""
-    from .checkpointing import resolve_resume
-
-    value = training_args.resume_from_checkpoint
-    if value is None:
-        return
-    if value is not True:
-        path = os.path.expanduser(str(value))
-        if not os.path.isdir(path):
-            raise CLIError(f"resume_from_checkpoint: no such checkpoint folder '{value}' (expected a checkpoint-N "
-                           "folder, or true for the last complete one in output_dir)")
-    try:
-        training_args.resume_from_checkpoint = resolve_resume(value, training_args.output_dir)
-    except ValueError as e:
-        raise CLIError(_one_line(e)) from e
-
-
-def _takes_step_rewards(algorithm: str) -> bool:
-    """Whether an algorithm's config has the step-reward fields (checked without importing the trainer)."""
+def _takes_step_rewards(algorithm: Algorithm) -> bool:
+    """Whether an algorithm's config has the step-reward fields (an error path only: imports its module)."""
     import dataclasses
 
-    if not algorithm_available(algorithm) or dict(ALGORITHMS[algorithm].defaults).get("baseline") is True:
+    if not algorithm.available() or dict(algorithm.preset).get("baseline") is True:
         return False
-    config_cls, _ = load_algorithm(algorithm)
+    config_cls, _ = load_classes(algorithm)
     return any(f.name == "step_separator" for f in dataclasses.fields(config_cls))
 
 
@@ -1024,7 +492,7 @@ def _close_progress_bars(trainer) -> None:
                 setattr(callback, name, None)
 
 
-def run(algorithm: str, args: list[str]) -> int:
+def run(algorithm: Algorithm, args: list[str]) -> int:
     try:
         p = prepare(algorithm, args)
         trainer = build_trainer(p)
@@ -1033,9 +501,9 @@ def run(algorithm: str, args: list[str]) -> int:
     except Exception as e:  # everything before the first step is about the input: TRL's own checks included
         if os.environ.get(TRACEBACK_ENV):
             raise
-        raise CLIError(f"setting up {algorithm} failed: {type(e).__name__}: {_one_line(e)}") from e
+        raise CLIError(f"setting up {algorithm.name} failed: {type(e).__name__}: {one_line(e)}") from e
     training_args, script_args = p["training_args"], p["script_args"]
-    trainer.model_card_dataset_name = _dataset_hub_id(script_args.dataset_name)
+    trainer.model_card_dataset_name = dataset_hub_id(script_args.dataset_name)
     if script_args.base_model:
         trainer.model_card_base_model = script_args.base_model
     try:
@@ -1047,7 +515,7 @@ def run(algorithm: str, args: list[str]) -> int:
     trainer.create_model_card(model_name=os.path.basename(os.path.normpath(training_args.output_dir)),
                               dataset_name=trainer.model_card_dataset_name)
     steps = trainer.state.global_step
-    trainer.accelerator.print(f"{PROG}: trained {algorithm} for {_plural(steps, 'step')} on "
+    trainer.accelerator.print(f"{PROG}: trained {algorithm.name} for {_plural(steps, 'step')} on "
                               f"{_describe_distribution(trainer)}; model and model card saved to "
                               f"{training_args.output_dir}")
     warning = _scoring_warning(trainer)
@@ -1080,10 +548,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "recipes":
         print(recipes_listing())
         return 0
-    algorithm, rest = argv[0], argv[1:]
+    name, rest = argv[0], argv[1:]
     try:
-        if algorithm.startswith("-"):
-            raise CLIError(f"expected an algorithm first ({', '.join([*ALGORITHMS, *BASELINES])}), got '{algorithm}'")
+        if name.startswith("-"):
+            raise CLIError(f"expected an algorithm first ({', '.join(REGISTRY)}), got '{name}'")
+        algorithm = resolve(name)
         if any(a in ("-h", "--help") for a in rest):
             build_parser(algorithm).print_help()
             return 0
@@ -1097,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if os.environ.get(TRACEBACK_ENV):
             raise
-        print(f"{PROG}: error: training {algorithm} failed: {type(e).__name__}: {_one_line(e)} "
+        print(f"{PROG}: error: training {name} failed: {type(e).__name__}: {one_line(e)} "
               f"(set {TRACEBACK_ENV}=1 for the traceback)", file=sys.stderr)
         return 1
 

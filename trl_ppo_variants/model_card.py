@@ -15,142 +15,15 @@ import dataclasses
 import math
 import os
 import re
-import textwrap
-from dataclasses import dataclass
+
+from .algorithms import ALGORITHMS, Paper, of_trainer
 
 PACKAGE_NAME = "trl-ppo-variants"
 
 
-@dataclass(frozen=True)
-class Paper:
-    name: str  # how the algorithm is written in prose
-    title: str
-    arxiv_id: str
-    bibtex: str
-
-    @property
-    def url(self) -> str:
-        return f"https://arxiv.org/abs/{self.arxiv_id}"
-
-
-_REINFORCE_PP = Paper(
-    name="REINFORCE++",
-    title="REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models",
-    arxiv_id="2501.03262",
-    bibtex=textwrap.dedent("""\
-        @article{hu2025reinforce,
-            title   = {{REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models}},
-            author  = {Jian Hu},
-            journal = {arXiv preprint arXiv:2501.03262},
-            year    = {2025}
-        }"""),
-)
-
-#: algorithm name (as on the command line) -> its paper
-PAPERS: dict[str, Paper] = {
-    "remax": Paper(
-        name="ReMax",
-        title="ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large Language "
-        "Models",
-        arxiv_id="2310.10505",
-        bibtex=textwrap.dedent("""\
-            @inproceedings{li2024remax,
-                title     = {{ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large Language Models}},
-                author    = {Ziniu Li and Tian Xu and Yushun Zhang and Zhihang Lin and Yang Yu and Ruoyu Sun and Zhi-Quan Luo},
-                booktitle = {Proceedings of the 41st International Conference on Machine Learning (ICML)},
-                year      = {2024},
-                eprint    = {arXiv:2310.10505}
-            }"""),
-    ),
-    "rloo": Paper(
-        name="RLOO",
-        title="Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs",
-        arxiv_id="2402.14740",
-        bibtex=textwrap.dedent("""\
-            @inproceedings{ahmadian2024back,
-                title     = {{Back to Basics: Revisiting REINFORCE-Style Optimization for Learning from Human Feedback in LLMs}},
-                author    = {Arash Ahmadian and Chris Cremer and Matthias Gall{\\'{e}} and Marzieh Fadaee and Julia Kreutzer and Olivier Pietquin and Ahmet {\\"{U}}st{\\"{u}}n and Sara Hooker},
-                booktitle = {Proceedings of the 62nd Annual Meeting of the Association for Computational Linguistics (ACL)},
-                year      = {2024},
-                pages     = {12248--12267},
-                eprint    = {arXiv:2402.14740}
-            }"""),
-    ),
-    "reinforce_pp": _REINFORCE_PP,
-    "reinforce_pp_baseline": dataclasses.replace(_REINFORCE_PP, name="REINFORCE++-baseline"),
-    "dapo": Paper(
-        name="DAPO",
-        title="DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
-        arxiv_id="2503.14476",
-        bibtex=textwrap.dedent("""\
-            @article{yu2025dapo,
-                title   = {{DAPO: An Open-Source LLM Reinforcement Learning System at Scale}},
-                author  = {Qiying Yu and Zheng Zhang and Ruofei Zhu and Yufeng Yuan and Xiaochen Zuo and Yu Yue and others},
-                journal = {arXiv preprint arXiv:2503.14476},
-                year    = {2025}
-            }"""),
-    ),
-    "ppo": Paper(
-        name="PPO",
-        title="Proximal Policy Optimization Algorithms",
-        arxiv_id="1707.06347",
-        bibtex=textwrap.dedent("""\
-            @article{schulman2017proximal,
-                title   = {{Proximal Policy Optimization Algorithms}},
-                author  = {John Schulman and Filip Wolski and Prafulla Dhariwal and Alec Radford and Oleg Klimov},
-                journal = {arXiv preprint arXiv:1707.06347},
-                year    = {2017}
-            }"""),
-    ),
-    "vapo": Paper(
-        name="VAPO",
-        title="VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks",
-        arxiv_id="2504.05118",
-        bibtex=textwrap.dedent("""\
-            @article{yue2025vapo,
-                title   = {{VAPO: Efficient and Reliable Reinforcement Learning for Advanced Reasoning Tasks}},
-                author  = {Yu Yue and Yufeng Yuan and Qiying Yu and Xiaochen Zuo and Ruofei Zhu and Wenyuan Xu and others},
-                journal = {arXiv preprint arXiv:2504.05118},
-                year    = {2025}
-            }"""),
-    ),
-    "process_grpo": Paper(
-        name="GRPO with process supervision",
-        title="DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models",
-        arxiv_id="2402.03300",
-        bibtex=textwrap.dedent("""\
-            @article{shao2024deepseekmath,
-                title   = {{DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models}},
-                author  = {Zhihong Shao and Peiyi Wang and Qihao Zhu and Runxin Xu and Junxiao Song and Xiao Bi and Haowei Zhang and Mingchuan Zhang and Y. K. Li and Y. Wu and Daya Guo},
-                journal = {arXiv preprint arXiv:2402.03300},
-                year    = {2024}
-            }"""),
-    ),
-    "ttrl": Paper(
-        name="TTRL",
-        title="TTRL: Test-Time Reinforcement Learning",
-        arxiv_id="2504.16084",
-        bibtex=textwrap.dedent("""\
-            @article{zuo2025ttrl,
-                title   = {{TTRL: Test-Time Reinforcement Learning}},
-                author  = {Yuxin Zuo and Kaiyan Zhang and Li Sheng and Shang Qu and Ganqu Cui and Xuekai Zhu and Haozhan Li and Yuchen Zhang and Xinwei Long and Ermo Hua and Biqing Qi and Youbang Sun and Zhiyuan Ma and Lifan Yuan and Ning Ding and Bowen Zhou},
-                journal = {arXiv preprint arXiv:2504.16084},
-                year    = {2025}
-            }"""),
-    ),
-}
-
-# trainer class name -> algorithm (the most derived class of this package in a user's subclass's MRO wins)
-_TRAINER_ALGORITHMS = {
-    "ReMaxTrainer": "remax",
-    "RLOOTrainer": "rloo",
-    "ReinforcePPTrainer": "reinforce_pp",
-    "DAPOTrainer": "dapo",
-    "PPOTrainer": "ppo",
-    "VAPOTrainer": "vapo",
-    "TTRLTrainer": "ttrl",
-    "ProcessGRPOTrainer": "process_grpo",
-}
+#: algorithm name (as on the command line) -> its paper; the baseline (`grpo`) is TRL's GRPOTrainer, whose own paper
+#: (`GRPOTrainer._paper`) its card cites
+PAPERS: dict[str, Paper] = {name: a.paper for name, a in ALGORITHMS.items()}
 
 # The fields that define an RL run whatever the algorithm, in the order a reader wants them. Fields declared by this
 # package's configs (above `GRPOConfig`) are listed too: they are what distinguishes the algorithm.
@@ -171,20 +44,11 @@ _METRIC_KEYS = (
 
 
 def algorithm_of(trainer_or_cls, args=None) -> str | None:
-    """The algorithm name (as on the command line) of a trainer instance or class, or None for foreign trainers.
-
-    `ReinforcePPTrainer` with `args.baseline = True` is REINFORCE++-baseline, a distinct row in the paper.
-    """
-    cls = trainer_or_cls if isinstance(trainer_or_cls, type) else type(trainer_or_cls)
-    if args is None and not isinstance(trainer_or_cls, type):
-        args = getattr(trainer_or_cls, "args", None)
-    for klass in cls.__mro__:
-        algo = _TRAINER_ALGORITHMS.get(klass.__name__)
-        if algo is not None:
-            if algo == "reinforce_pp" and getattr(args, "baseline", False):
-                return "reinforce_pp_baseline"
-            return algo
-    return None
+    """The algorithm name (as on the command line) of a trainer instance or class, or None for the baseline and for
+    trainers of other packages (`algorithms.of_trainer`: a user's subclass is its algorithm, and `ReinforcePPTrainer`
+    with `args.baseline = True` is REINFORCE++-baseline, a distinct row in the paper)."""
+    algorithm = of_trainer(trainer_or_cls, args)
+    return algorithm.name if algorithm is not None and not algorithm.baseline else None
 
 
 def run_hyperparameters(args, num_processes: int = 1) -> dict:

@@ -28,26 +28,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-#: per-algorithm settings on top of `COMMON` (toy scale: 4 completions per prompt, answers of at most 3 tokens)
-ALGO_SETTINGS: dict[str, dict] = {
-    "remax": {},
-    "rloo": {"beta": 0.0},
-    "reinforce_pp": {"kl_in_reward_coef": 0.0},
-    "reinforce_pp_baseline": {"baseline": True, "beta": 0.0},
-    "dapo": {"max_generation_rounds": 2},
-    # the full critic (PPO's default is the LoRA critic since issue 28): the README's toy numbers were measured with it
-    "ppo": {"kl_in_reward_coef": 0.0, "critic_backbone": "full", "critic_learning_rate": 3e-3},
-    # the toy's 2-3 token answers would get VAPO's length-adaptive lambda 1 - 1 / (0.05 * l) < 0, clamped to 0: pure
-    # one-step TD on a critic trained for 5 steps. A fixed lam_policy suits answers this short.
-    "vapo": {"value_pretrain_steps": 5, "critic_learning_rate": 3e-3, "length_adaptive_alpha": None},
-    # TTRL sharpens the policy onto its own majority answers: at 1e-3 the toy collapses onto wrong ones (label accuracy
-    # 0.75 -> 0 in 40 steps, measured), the failure mode a label-free method risks with a too-large step
-    "ttrl": {"n_votes": 8, "n_train": 4, "label_column": "answer", "learning_rate": 1e-4,
-             "answer_extractor": "trl_ppo_variants.toy_demo:first_number"},
-    # the toy's answers are one step long (no separator in "7"): the toy reward as a one-step step reward, where process
-    # GRPO's advantage is GRPO's; the learnable multi-step case is the digits task of tests/test_process_grpo.py
-    "process_grpo": {},
-}
+from .algorithms import ALGORITHMS, REGISTRY, installed, parse_algorithm_list  # noqa: E402
+
+#: per-algorithm settings on top of `COMMON` (toy scale: 4 completions per prompt, answers of at most 3 tokens):
+#: `Algorithm.toy_demo` in `algorithms.py`, where each is explained
+ALGO_SETTINGS: dict[str, dict] = {name: a.toy_demo for name, a in REGISTRY.items()}
+
 
 def first_number(completion) -> str | None:
     """TTRL's answer extractor for the toy task: the first number, as `toy.addition_reward` reads it (the built-in
@@ -103,14 +89,13 @@ def build_trainer(algo: str, base_dir: str, output_dir: str, steps: int, seed: i
     algorithm's settings (`overrides` on top: e.g. a vLLM engine) and a data set of `steps` batches."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .cli import load_algorithm
     from .demo import algorithm_rewards
     from .toy import addition_dataset, addition_reward
 
-    config_cls, trainer_cls = load_algorithm(algo)
+    config_cls, trainer_cls = REGISTRY[algo].classes()
     settings = {**COMMON, **ALGO_SETTINGS.get(algo, {}), **overrides}
     settings.update(output_dir=os.path.join(output_dir, algo), max_steps=steps, seed=seed)
-    if algo == "ttrl":  # n_votes sets num_generations; the batch counts generated completions
+    if "n_votes" in settings:  # TTRL: n_votes sets num_generations; the batch counts generated completions
         settings.pop("num_generations")
         settings["per_device_train_batch_size"] = max(settings["per_device_train_batch_size"], 2 * settings.get("n_votes", 8))
     fields = set(config_cls.__dataclass_fields__)
@@ -201,7 +186,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def plot_curves(rows: list[dict], path: str) -> str | None:
-    from .demo import pyplot
+    from .demo import curve_label, pyplot
 
     plt = pyplot()
     if plt is None:
@@ -214,8 +199,7 @@ def plot_curves(rows: list[dict], path: str) -> str | None:
         window = 5  # moving average: a toy batch is 16 completions, so one step's mean is noisy
         smooth = [sum(curve[max(0, i - window + 1): i + 1]) / len(curve[max(0, i - window + 1): i + 1])
                   for i in range(len(curve))]
-        label = r["algorithm"] + (" (agreement with its vote)" if r["algorithm"] == "ttrl" else "")
-        ax.plot(range(1, len(curve) + 1), smooth, label=label)
+        ax.plot(range(1, len(curve) + 1), smooth, label=curve_label(r["algorithm"]))
     ax.set_xlabel("step")
     ax.set_ylabel("mean sampled reward (moving average, 5 steps)")
     ax.set_title("trl-ppo-variants demo: toy addition task, tiny Qwen3")
@@ -239,15 +223,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .cli import ALGORITHMS, installed_algorithms, parse_algorithm_list
-
     torch.set_num_threads(min(2, torch.get_num_threads()))
     try:
         algos = parse_algorithm_list(opts.algo or "all")
     except ValueError as e:
         print(f"demo: error: {e}", file=sys.stderr)
         return 2
-    missing = [a for a in ALGORITHMS if a not in installed_algorithms()]
+    missing = [a for a in ALGORITHMS if a not in installed()]
     if missing and not opts.algo:
         print(f"demo: not installed, skipped: {', '.join(missing)}", file=sys.stderr)
 

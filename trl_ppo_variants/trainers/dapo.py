@@ -22,6 +22,12 @@ from .base import VariantConfig, VariantTrainer, check
 OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"  # the __name__ of TRL's soft overlong punishment
 
 
+def default_overlong_cache_length(max_completion_length: int) -> int:
+    """`L_cache` of Eq. 13 when none is set: 20% of `L_max` (the paper's 4096 of 20480), in whole tokens rounded down.
+    Below 5 tokens that is 0, no soft zone: nothing is penalised, since a completion never exceeds `L_max`."""
+    return max_completion_length // 5
+
+
 @dataclass
 class DAPOConfig(PromptSelectionFields, VariantConfig):
     r"""
@@ -106,7 +112,7 @@ class DAPOConfig(PromptSelectionFields, VariantConfig):
         """`L_cache` in tokens: the configured one, else 20% of `max_completion_length` (paper: 4096 / 20480)."""
         if self.overlong_cache_length is not None:
             return self.overlong_cache_length
-        return self.max_completion_length // 5
+        return default_overlong_cache_length(self.max_completion_length)
 
 
 # ----------------------------------------------------------------------------------------------- trainer
