@@ -78,7 +78,7 @@ def measure(model_dir: str, model: str, pad_words: int, length: int, bf16: bool,
     from peft import LoraConfig
     from trl import GRPOTrainer
 
-    from trl_ppo_variants import selection
+    from trl_ppo_variants import rollout
     from trl_ppo_variants.toy import addition_reward
     from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 
@@ -105,7 +105,7 @@ def measure(model_dir: str, model: str, pad_words: int, length: int, bf16: bool,
         with torch.no_grad():
             forward = GRPOTrainer._get_per_token_logps_and_entropies(
                 trainer, trainer.model, ids, attention, output["completion_ids"].shape[1])[0]
-        seen.append((output["prompt_mask"], used, forward, selection.loss_mask(output).bool()))
+        seen.append((output["prompt_mask"], used, forward, rollout.loss_mask(output).bool()))
         return used
 
     trainer.sampling_logps = spy

@@ -17,7 +17,7 @@ import torch
 from conftest import perturb, toy_args
 from trl import GRPOTrainer
 
-from trl_ppo_variants import generation, selection
+from trl_ppo_variants import generation, rollout
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.ppo import PPOConfig, PPOTrainer
 from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
@@ -635,7 +635,7 @@ def test_recorded_logps_equal_the_forward_or_fall_back(name, toy_model_dir, gpt2
     def spy(output):
         used = sampling_logps(output)
         # the training forward, before any update
-        seen.append((dict(output), used, _forward_logps(trainer, output), selection.loss_mask(output).bool()))
+        seen.append((dict(output), used, _forward_logps(trainer, output), rollout.loss_mask(output).bool()))
         return used
 
     trainer.sampling_logps = spy

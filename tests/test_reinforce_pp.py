@@ -110,11 +110,11 @@ def test_reinforce_pp_learns(toy_model_dir, tmp_path, baseline):
 def test_only_the_entries_advantages_read_are_gathered(toy_model_dir, toy_dataset, tmp_path, monkeypatch):
     """The global batch holds masks, KL and values, never ids or log-probs: gathering those would cost every process
     the whole rollout's memory."""
-    from trl_ppo_variants import selection
+    from trl_ppo_variants import rollout
 
     gathered = []
-    original = selection.gather_rollout
-    monkeypatch.setattr(selection, "gather_rollout",
+    original = rollout.gather_rollout
+    monkeypatch.setattr(rollout, "gather_rollout",
                         lambda acc, output, *a: gathered.append(sorted(output)) or original(acc, output, *a))
     args = toy_args(ReinforcePPConfig, tmp_path, beta=None, kl_in_reward_coef=0.05, per_device_train_batch_size=16)
     trainer = ReinforcePPTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)

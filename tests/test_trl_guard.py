@@ -120,14 +120,14 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
 
 
 def test_the_image_inputs_trl_slices_are_the_ones_selection_moves():
-    """selection.py packs per row exactly the image inputs TRL's forward takes (and nothing it does not know)."""
-    from trl_ppo_variants import selection
+    """rollout.py packs per row exactly the image inputs TRL's forward takes (and nothing it does not know)."""
+    from trl_ppo_variants import rollout
 
     params = list(inspect.signature(GRPOTrainer._get_per_token_logps_and_entropies).parameters)
     image_params = params[params.index("compute_aux_loss") + 1:]
-    assert sorted(image_params) == sorted(selection.MULTIMODAL_KEYS), (
+    assert sorted(image_params) == sorted(rollout.MULTIMODAL_KEYS), (
         f"trl {trl.__version__}'s _get_per_token_logps_and_entropies takes the image inputs {image_params}; "
-        f"selection.MULTIMODAL_KEYS (how rows keep their images) knows {list(selection.MULTIMODAL_KEYS)}")
+        f"rollout.MULTIMODAL_KEYS (how rows keep their images) knows {list(rollout.MULTIMODAL_KEYS)}")
 
 
 def test_transformers_checkpoint_loader_we_call():

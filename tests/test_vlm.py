@@ -10,7 +10,7 @@ the forward's, up to 4e-3 per token on the tiny Qwen2-VL, which is not what thes
 import pytest
 import torch
 
-from trl_ppo_variants import selection
+from trl_ppo_variants import rollout
 from trl_ppo_variants.toy_vlm import VLM_FAMILIES, color_reward, make_tiny_vlm, toy_vlm_dataset, vision_parameter_names
 
 #: per-token bound on |recorded - forward| and on the step-0 KL in fp32 (measured 9.5e-7 on both families)
@@ -139,7 +139,7 @@ def _forward_logps(trainer, output):
     mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     with torch.no_grad():
         logps, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
-            trainer, trainer.model, ids, mask, output["completion_ids"].shape[1], **selection.image_inputs(output))
+            trainer, trainer.model, ids, mask, output["completion_ids"].shape[1], **rollout.image_inputs(output))
     return logps
 
 
@@ -333,7 +333,7 @@ def test_a_padded_tile_never_reaches_the_vision_tower(llava_next_dir):
     dataset = _solid_image_prompts(["purple", "orange"], [(32, 32), (64, 32)])
     completion = processor.tokenizer("it is purple", add_special_tokens=False, return_tensors="pt")["input_ids"]
 
-    def rollout(i):
+    def one_row(i):
         text = processor.apply_chat_template(dataset[i]["prompt"], tokenize=False, add_generation_prompt=True)
         inputs = processor(images=[dataset[i]["image"]], text=[text], return_tensors="pt")
         return {"prompt_ids": inputs["input_ids"], "prompt_mask": inputs["attention_mask"],
@@ -348,11 +348,11 @@ def test_a_padded_tile_never_reaches_the_vision_tower(llava_next_dir):
                            image_sizes=batch["image_sizes"]).logits[:, -completion.shape[1] - 1 : -1]
         return logits.log_softmax(-1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
-    square, wide = rollout(0), rollout(1)
+    square, wide = one_row(0), one_row(1)
     assert square["pixel_values"].shape[1] == 2 and wide["pixel_values"].shape[1] == 3
-    joined = selection.concat_rollouts([selection.row_entries(square, 1), selection.row_entries(wide, 1)], PAD)
-    batch = selection.redistribute_rows(SimpleNamespace(num_processes=1, process_index=0), joined,
-                                        torch.zeros(2, dtype=torch.long), PAD)
+    joined = rollout.concat_rollouts([rollout.row_entries(square, 1), rollout.row_entries(wide, 1)], PAD)
+    batch = rollout.redistribute_rows(SimpleNamespace(num_processes=1, process_index=0), joined,
+                                      torch.zeros(2, dtype=torch.long), PAD)
     assert batch["pixel_values"].shape[1] == 3 and not batch["pixel_values"][0, 2].any()  # a zero tile
     assert torch.equal(batch["pixel_values"][0, :2], square["pixel_values"][0])
     torch.testing.assert_close(logps(batch)[0], logps(square)[0], rtol=0, atol=1e-5)

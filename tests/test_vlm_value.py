@@ -7,7 +7,7 @@ import torch
 from conftest import toy_args
 
 from trl_ppo_variants.critic import critic_values
-from trl_ppo_variants.selection import image_inputs, image_rows, take_rows
+from trl_ppo_variants.rollout import image_inputs, image_rows, take_rows
 from trl_ppo_variants.toy_vlm import (
     VLM_FAMILIES,
     color_reward,
@@ -93,7 +93,7 @@ def test_critic_values_depend_on_the_image(vlm_dirs, family, kind, tmp_path):
         chunked = critic_values(critic, ids, mask, width, batch_size=1, image_fields=fields)
     assert (seen[0] - seen[1]).abs().max() > 1e-4
     torch.testing.assert_close(blind[0], blind[1], rtol=0, atol=1e-5)  # the same up to batched rounding
-    # chunks of one row get their own row's images (`selection.pack_multimodal`, then `take_rows`)
+    # chunks of one row get their own row's images (`rollout.pack_multimodal`, then `take_rows`)
     torch.testing.assert_close(chunked, seen, rtol=1e-4, atol=1e-5)
 
 

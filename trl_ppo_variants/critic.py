@@ -19,7 +19,7 @@ needed). Two backbones (`critic_backbone`):
 Vision-language models: the backbone is the VLM's base model (`Qwen2VLModel`, `Gemma3Model`, ...: vision tower,
 projector and language model), the head reads the language model's hidden states (`text_config.hidden_size`), and
 `critic_values` passes the batch's image inputs (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...; each chunk
-its own rows', split per row by `selection.pack_multimodal`, the one mechanism row selection and ReMax use too) so
+its own rows', split per row by `rollout.pack_multimodal`, the one mechanism row selection and ReMax use too) so
 that the critic sees what the policy sees: a full critic trains its own vision tower, a LoRA critic adapts the frozen
 one (its adapter covers the vision tower's linear layers too).
 
@@ -56,7 +56,7 @@ import re
 import torch
 from torch import nn
 
-from . import selection
+from . import rollout
 
 __all__ = [
     "CRITIC_ATTR",
@@ -823,16 +823,16 @@ def critic_values(
         attention_mask: (B, P + T)
         logits_to_keep: T
         batch_size: rows per forward pass (chunks bound the activation memory at rollout time).
-        image_fields: a VLM's image inputs of the B rows in TRL's layout (`selection.image_inputs(batch)`): each
-            chunk gets its rows' images, and a chunk without any image none (`selection.image_chunks`), so that the
+        image_fields: a VLM's image inputs of the B rows in TRL's layout (`rollout.image_inputs(batch)`): each
+            chunk gets its rows' images, and a chunk without any image none (`rollout.image_chunks`), so that the
             critic sees what the policy sees.
     Returns:
         (B, T) float32 values (padding positions hold whatever the head outputs: mask them).
     """
     chunks = []
-    for start, end, chunk_images in selection.image_chunks(image_fields or {}, input_ids.shape[0], batch_size):
+    for start, end, chunk_images in rollout.image_chunks(image_fields or {}, input_ids.shape[0], batch_size):
         # the per-row counts only say how the image tensors split: not model inputs
-        chunk_images = {k: v for k, v in chunk_images.items() if k not in selection.COUNT_KEYS}
+        chunk_images = {k: v for k, v in chunk_images.items() if k not in rollout.COUNT_KEYS}
         out = critic(input_ids=input_ids[start:end], attention_mask=attention_mask[start:end], **chunk_images)
         chunks.append(out.logits[:, -logits_to_keep - 1 : -1, 0].float())
     return torch.cat(chunks, dim=0)

@@ -23,7 +23,7 @@ One idea, one loop (`PromptSelection.generate`), run inside one `_generate_and_s
 
 Every variant keeps DAPO's machinery: the rounds are sized from a keep-rate estimate (`selection.prompts_to_generate`;
 with SPEED the estimate is the screening acceptance rate), the batch is assembled by `selection.GroupAccumulator`
-(each process holds only its own rows; `selection.redistribute_rows` moves them to the process that trains them),
+(each process holds only its own rows; `rollout.redistribute_rows` moves them to the process that trains them),
 and a step that reaches `max_generation_rounds` without a full batch trains on what it has (`exhausted` path).
 
 Where the papers were silent or we chose:
@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 from accelerate.utils import gather_object
 
-from . import selection
+from . import rollout, selection
 from .trainers.base import SELECTION_MODES, check
 
 #: GRESO's floor on the probability of keeping a prompt (its code: `1 - max(p ** z, 0.01)` is the skip probability)
@@ -566,7 +566,7 @@ class PromptSelection:
             kl = t._reward_kl(output)
             if kl is not None:
                 output["kl_in_reward"] = kl
-            rows = selection.row_entries(output, output["prompt_ids"].shape[0])
+            rows = rollout.row_entries(output, output["prompt_ids"].shape[0])
             lengths = metrics.get("completions/mean_length")
             if lengths:  # TRL's count of generated tokens (also those of truncated completions it may mask)
                 generated_tokens += lengths[-1] * rewards_per_func.shape[0]
@@ -605,15 +605,15 @@ class PromptSelection:
         extras = {k: v[:real_rows] for k, v in acc.final_extras.items()}
         # trained (real-row) loss tokens, for the generated/trained ratio; placeholder rows have no signal
         is_real = (torch.arange(sources.numel(), device=sources.device) < real_rows)[sources == rank]
-        tokens = selection.loss_mask(local)
+        tokens = rollout.loss_mask(local)
         trained_tokens = float(t.accelerator.reduce(tokens[is_real.to(tokens.device)].sum(), reduction="sum"))
-        output = selection.redistribute_rows(t.accelerator, local, sources, pad_id,
-                                             pad_to_multiple_of=t.pad_to_multiple_of)
+        output = rollout.redistribute_rows(t.accelerator, local, sources, pad_id,
+                                           pad_to_multiple_of=t.pad_to_multiple_of)
         share = sources.numel() // world
         global_batch = None
         if t.needs_global_batch or "kl_in_reward" in output:
             needed = {key: output[key] for key in t.global_batch_keys if key in output}
-            global_batch = selection.gather_rollout(t.accelerator, needed, share, pad_id)
+            global_batch = rollout.gather_rollout(t.accelerator, needed, share, pad_id)
             output.pop("kl_in_reward", None)
         advantages = torch.zeros(sources.numel(), device=rewards_per_func.device)
         if real_rows:  # placeholder groups of the exhaustion path stay at 0 and never enter the statistics
@@ -627,7 +627,7 @@ class PromptSelection:
         if local_adv.dim() == 2:
             local_adv = local_adv[:, : output["completion_mask"].shape[1]]
         output["advantages"] = local_adv
-        mask = selection.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
+        mask = rollout.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
         t._log_advantages(advantages, acc.rows_seen, positions, mask)
         self._log(acc, generated_tokens, trained_tokens, real_rows, advantages.shape[0], exhausted, rate_used,
                   first_round, refill_prompts, step)

@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 from accelerate.utils import gather_object  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from trl_ppo_variants import selection  # noqa: E402
+from trl_ppo_variants import rollout  # noqa: E402
 from trl_ppo_variants.toy import addition_dataset, addition_reward, make_learned_position_checkpoint  # noqa: E402
 from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer  # noqa: E402
 from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer  # noqa: E402
@@ -44,7 +44,7 @@ def probing(trainer_cls):
                 with torch.no_grad():
                     forward, _, _ = GRPOTrainer._get_per_token_logps_and_entropies(
                         self, self.model, ids, attention, output["completion_ids"].shape[1])
-                mask = selection.loss_mask(output).bool()
+                mask = rollout.loss_mask(output).bool()
                 self.logp_gaps.append((sampled[mask] - forward[mask]).abs().max().item())
             self.forwards_before = self.policy_forwards
             self.completions.append(output["completion_ids"].clone())

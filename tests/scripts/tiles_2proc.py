@@ -1,4 +1,4 @@
-"""2 processes (gloo, launched by tests/test_selection.py with `accelerate launch --num_processes 2`) whose rows'
+"""2 processes (gloo, launched by tests/test_rollout.py with `accelerate launch --num_processes 2`) whose rows'
 images have different tile counts (LLaVA-NeXT: a square image 2 entries, a 2:1 one 3): rank 0 holds square-image
 rows, rank 1 2:1 ones (and a row without an image). Rows move between the processes with `redistribute_rows` (the
 exchange pads every dimension to the widest of the processes: it padded only the widths, and the tile dimensions
@@ -24,9 +24,9 @@ from accelerate.utils import gather_object  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from test_selection import PAD, ROUND_A, tiled_rollout  # noqa: E402
+from test_rollout import PAD, ROUND_A, tiled_rollout  # noqa: E402
 
-from trl_ppo_variants import selection  # noqa: E402
+from trl_ppo_variants import rollout  # noqa: E402
 
 #: rank 1's rows: 2:1 images (3 entries), one padded by its batch, and a row without an image
 ROUND_B = ([[3], [3, 2], []], [3, 4, 5])
@@ -51,21 +51,21 @@ def main() -> None:
     truth = {row: tiles for tiles_ids in (ROUND_A, ROUND_B, TEXT_ONLY) for row, tiles in zip(tiles_ids[1], tiles_ids[0])}
 
     # rows cross both ways: the batch is ids 3, 0, 4 | 1, 2, 5 (process order), rank 0 holds 0, 1, 2
-    local = selection.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else ROUND_B)), 3)
+    local = rollout.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else ROUND_B)), 3)
     sources = torch.tensor([1, 0, 1, 0, 0, 1])
-    out = selection.redistribute_rows(acc, local, sources, PAD)
+    out = rollout.redistribute_rows(acc, local, sources, PAD)
     mine = [[3, 0, 4], [1, 2, 5]][rank]
     check(out, [truth[i] for i in mine], mine, [3, 2][rank], f"crossing, rank {rank}")
 
     # rank 1 without any image: its rows get rank 0's entries (empty), rank 0's rows keep their 2 entries
-    local = selection.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else TEXT_ONLY)), 3)
-    out = selection.redistribute_rows(acc, local, torch.tensor([1, 0, 0, 1, 0, 1]), PAD)
+    local = rollout.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else TEXT_ONLY)), 3)
+    out = rollout.redistribute_rows(acc, local, torch.tensor([1, 0, 0, 1, 0, 1]), PAD)
     mine = [[6, 0, 1], [7, 2, 8]][rank]
     check(out, [truth[i] for i in mine], mine, 2, f"one rank without images, rank {rank}")
 
     # the global view is the same on both ranks, every row with its own pixels (padded to 3 entries)
-    local = selection.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else ROUND_B)), 3)
-    view = selection.unpack_multimodal(selection.gather_rollout(acc, local, 3, PAD))
+    local = rollout.row_entries(tiled_rollout(*(ROUND_A if rank == 0 else ROUND_B)), 3)
+    view = rollout.unpack_multimodal(rollout.gather_rollout(acc, local, 3, PAD))
     everyone = [0, 1, 2, 3, 4, 5]
     check(view, [truth[i] for i in everyone], everyone, 3, f"global view, rank {rank}")
     shared = gather_object([{k: v for k, v in view.items() if isinstance(v, torch.Tensor)}])

@@ -14,7 +14,7 @@ not copy that method (TRL deleted several of its own experimental trainers whose
 4. `_prepare_inputs` is TRL's; with `steps_per_generation != gradient_accumulation_steps` the token count that
    normalises token-level losses is replaced by that optimizer step's own (`token_level_normalizer`).
 5. `_get_per_token_logps_and_entropies` is TRL's; where one of its chunks of rows (or a micro-batch) holds no image,
-   it runs per chunk with the chunk's own image inputs (`selection.image_chunks`: none for a chunk without an image;
+   it runs per chunk with the chunk's own image inputs (`rollout.image_chunks`: none for a chunk without an image;
    TRL's slicing gives such a chunk empty image tensors, which the vision towers refuse).
 
 `tests/test_trl_guard.py` fails loudly when the private signatures used here change.
@@ -32,7 +32,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import checkpointing, generation, guards, selection, vllm_cpu
+from .. import checkpointing, generation, guards, rollout, vllm_cpu
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..losses import aggregate_token_loss, ppo_clip_policy_loss
 
@@ -43,7 +43,7 @@ TRL_PRIVATE_API = {
     "_compute_loss": ("self", "model", "inputs"),
     "_generate_single_turn": ("self", "prompt_ids", "images", "multimodal_fields", "num_generations"),  # base, ReMax
     "_tokenize_prompts": ("self", "prompts"),  # base (prompts without images in a VLM batch)
-    # base: its image keywords (`selection.MULTIMODAL_KEYS`, guarded too) split per chunk of `batch_size` rows
+    # base: its image keywords (`rollout.MULTIMODAL_KEYS`, guarded too) split per chunk of `batch_size` rows
     "_get_per_token_logps_and_entropies": ("self", "model", "input_ids", "attention_mask", "logits_to_keep",
                                            "batch_size"),
     "_prepare_inputs": ("self", "generation_batch"),
@@ -708,13 +708,13 @@ class VariantTrainer(GRPOTrainer):
         return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        images = {key: kwargs.pop(key) for key in selection.MULTIMODAL_KEYS if key in kwargs}
-        if args or not selection.has_image_less_chunk(images, input_ids.shape[0], kwargs.get("batch_size")):
+        images = {key: kwargs.pop(key) for key in rollout.MULTIMODAL_KEYS if key in kwargs}
+        if args or not rollout.has_image_less_chunk(images, input_ids.shape[0], kwargs.get("batch_size")):
             result = super()._get_per_token_logps_and_entropies(  # TRL's slicing: every chunk has an image
                 model, input_ids, attention_mask, logits_to_keep, *args, **kwargs, **images
             )
         else:  # TRL's chunks, and a micro-batch, each with its own rows' images: none for rows without one
-            chunks = selection.image_chunks(images, input_ids.shape[0], kwargs.pop("batch_size", None))
+            chunks = rollout.image_chunks(images, input_ids.shape[0], kwargs.pop("batch_size", None))
             result = _join_forward_chunks([super(VariantTrainer, self)._get_per_token_logps_and_entropies(
                 model, input_ids[start:end], attention_mask[start:end], logits_to_keep, **kwargs, **chunk_images)
                 for start, end, chunk_images in chunks])
@@ -745,7 +745,7 @@ class VariantTrainer(GRPOTrainer):
 
     def _kl_loss_term(self, inputs, logps) -> torch.Tensor:
         """KL(pi || ref) loss term with `kl_loss_estimator`, aggregated like the policy loss of `loss_type`."""
-        mask = selection.loss_mask(inputs)
+        mask = rollout.loss_mask(inputs)
         per_token_kl = kl_estimate(logps, inputs["ref_per_token_logps"], self.kl_loss_estimator)
         if self.args.use_bias_correction_kl:  # as TRL does for its k3 term: weight by the (differentiable) IS ratio
             old = inputs.get("old_per_token_logps")
@@ -768,7 +768,7 @@ class VariantTrainer(GRPOTrainer):
         ways this would have to mirror are refused by the config (`VariantConfig._check_dual_clip`).
         """
         mode = "train" if self.model.training else "eval"
-        mask = selection.loss_mask(inputs)
+        mask = rollout.loss_mask(inputs)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
         advantages = inputs["advantages"]
@@ -788,7 +788,7 @@ class VariantTrainer(GRPOTrainer):
         """The token counts (local, 0-dim) of one micro-batch that normalise token-level terms, by the key of the
         inputs that carries their total (`num_items_in_batch`: the loss tokens; VAPO adds its correct-completion
         tokens)."""
-        return {"num_items_in_batch": selection.loss_mask(inputs).sum()}
+        return {"num_items_in_batch": rollout.loss_mask(inputs).sum()}
 
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
@@ -840,7 +840,7 @@ class VariantTrainer(GRPOTrainer):
             self._metrics[mode][FORWARD_FALLBACK_METRIC].append(0.0 if usable else 1.0)
             if usable:
                 sampled = output["sampling_per_token_logps"]
-                mask = selection.loss_mask(output).bool()
+                mask = rollout.loss_mask(output).bool()
                 return torch.where(mask, sampled, torch.zeros_like(sampled))
             if reason is not None:
                 logger.warning_once(f"sampling_logps_source='generate': {reason}; the KL in the reward takes one "
@@ -852,7 +852,7 @@ class VariantTrainer(GRPOTrainer):
                 self.model, input_ids, attention_mask, output["completion_ids"].size(1),
                 batch_size=self.args.per_device_train_batch_size if self.model.training
                 else self.args.per_device_eval_batch_size,
-                **selection.image_inputs(output),
+                **rollout.image_inputs(output),
             )
         return old
 
@@ -869,7 +869,7 @@ class VariantTrainer(GRPOTrainer):
         sampled = output.get("sampling_per_token_logps")
         if sampled is None:
             return self.unrecordable_reason() or "the generation returned no log-probs"
-        mask = selection.loss_mask(output).bool()
+        mask = rollout.loss_mask(output).bool()
         if sampled.shape != mask.shape or torch.isnan(sampled[mask]).any():
             return ("not every loss token has a generation log-prob (a recording that failed its self-check, a token "
                     "vLLM could not score)")
@@ -889,7 +889,7 @@ class VariantTrainer(GRPOTrainer):
             return None
         old = self.sampling_logps(output)
         kl = kl_estimate(old, output["ref_per_token_logps"], self.kl_in_reward_estimator)
-        mask = selection.loss_mask(output)
+        mask = rollout.loss_mask(output)
         kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
         mode = "train" if self.model.training else "eval"
         stats = self.accelerator.reduce(torch.stack([kl.sum(), mask.sum().float()]), reduction="sum")
@@ -914,7 +914,7 @@ class VariantTrainer(GRPOTrainer):
         global_batch = None
         if self.needs_global_batch or kl is not None:
             needed = {key: output[key] for key in self.global_batch_keys if key in output}
-            global_batch = selection.gather_rollout(self.accelerator, needed, num_local, self._tokenizer.pad_token_id)
+            global_batch = rollout.gather_rollout(self.accelerator, needed, num_local, self._tokenizer.pad_token_id)
             output.pop("kl_in_reward", None)
         if keep is not None:
             rewards_per_func = rewards_per_func[keep]
@@ -928,15 +928,15 @@ class VariantTrainer(GRPOTrainer):
         if keep is not None:  # only the kept rows move, each straight to the process that trains it
             sources = torch.div(keep, num_local, rounding_mode="floor")
             mine = keep[sources == rank] - rank * num_local
-            rows = selection.row_entries(output, num_local)
+            rows = rollout.row_entries(output, num_local)
             rows = {k: v[mine.to(v.device)] for k, v in rows.items() if k not in ("advantages", "kl_in_reward")}
-            output = selection.redistribute_rows(self.accelerator, rows, sources, self._tokenizer.pad_token_id)
+            output = rollout.redistribute_rows(self.accelerator, rows, sources, self._tokenizer.pad_token_id)
             num_local = advantages.shape[0] // self.accelerator.num_processes
         local = advantages[rank * num_local : (rank + 1) * num_local]
         if local.dim() == 2:
             local = local[:, : output["completion_mask"].shape[1]]
         output["advantages"] = local
-        tokens = selection.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
+        tokens = rollout.loss_mask(global_batch) if global_batch and "completion_mask" in global_batch else None
         self._log_advantages(advantages, num_logged, keep, tokens)
         return output
 

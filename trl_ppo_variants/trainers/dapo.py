@@ -178,7 +178,7 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
     rollouts (clear error).
 
     **Memory**: only rewards are gathered (by TRL); each process keeps its own rows of the kept groups across rounds,
-    and `selection.redistribute_rows` then moves rows straight to the process that trains them (one all-to-all per
+    and `rollout.redistribute_rows` then moves rows straight to the process that trains them (one all-to-all per
     key). No process holds the global rollout: the peak is about one local round (at most `max_oversample_factor`
     local generation batches) plus the local kept rows (a global copy of 512 x 16 rows of 20k tokens would be about
     3.4 GB on every GPU). The over-sampled first round gathers the dataloader's *inputs* (prompt rows, not

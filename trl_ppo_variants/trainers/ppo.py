@@ -54,7 +54,7 @@ from accelerate.utils import is_peft_model
 from transformers.trainer_utils import HubStrategy
 from trl.trainer.callbacks import SyncRefModelCallback
 
-from .. import selection
+from .. import rollout
 from ..advantages import gae, masked_mean, masked_whiten, token_rewards_from_outcome
 from ..critic import (
     CRITIC_BACKBONES,
@@ -428,7 +428,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs), \
                 self.accelerator.autocast():
             values = critic_values(self.critic, input_ids, attention_mask, output["completion_ids"].shape[1],
-                                   batch_size=batch_size, image_fields=selection.image_inputs(output))
+                                   batch_size=batch_size, image_fields=rollout.image_inputs(output))
         return torch.where(output["completion_mask"].bool(), values, torch.zeros_like(values))
 
     def gae_lambdas(self, valid: torch.Tensor):
@@ -440,7 +440,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         return {}
 
     def compute_advantages(self, rewards, batch, group_size):
-        mask = selection.loss_mask(batch).to(torch.float32)
+        mask = rollout.loss_mask(batch).to(torch.float32)
         rewards, step_token_rewards = self.dense_step_rewards(rewards, mask)  # (rewards, None) without step rewards
         scorable = ~torch.isnan(rewards)
         valid = mask * scorable.to(mask.dtype).unsqueeze(1)  # unscorable rows: no advantage, no value target
@@ -479,7 +479,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
                 output[key] = value
                 continue
             # this process's contiguous share of the global rows, as the base hands out the advantages (and as
-            # `selection.redistribute_rows` does when rows were selected), trimmed to the local completion width
+            # `rollout.redistribute_rows` does when rows were selected), trimmed to the local completion width
             value = value[rank * rows : (rank + 1) * rows]
             output[key] = value[:, :width] if value.dim() == 2 else value
         return output
@@ -509,7 +509,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         policy_loss = super()._compute_loss(model, inputs)  # TRL's loss, our KL term and dual-clip (base)
         logps, self._loss_logps = self._loss_logps, None
 
-        mask = selection.loss_mask(inputs)
+        mask = rollout.loss_mask(inputs)
         aggregate = functools.partial(self._aggregate, inputs)
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
@@ -524,7 +524,7 @@ class PPOTrainer(StepRewardsMixin, VariantTrainer):
         with self.accelerator.autocast():
             # called as a submodule, not through the engine's forward (which would run the policy)
             values = critic_values(get_critic(model), input_ids, attention_mask, completion_ids.shape[1],
-                                   image_fields=selection.image_inputs(inputs))
+                                   image_fields=rollout.image_inputs(inputs))
         value_mask = inputs["value_mask"]
         per_token_vf, vf_clipped = clipped_value_loss(
             values, inputs["old_values"], inputs["returns"], self.args.cliprange_value

@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from .. import selection
+from .. import rollout
 from ..advantages import grpo_process_advantages
 from ..process import StepRewardFields, StepRewardsMixin
 from ..screening import PromptSelectionFields, PromptSelectionMixin
@@ -77,7 +77,7 @@ class ProcessGRPOTrainer(StepRewardsMixin, PromptSelectionMixin, VariantTrainer)
         return VariantTrainer.total_rewards(self, rewards_per_func)  # outcome and step columns alike
 
     def compute_advantages(self, rewards, batch, group_size):
-        mask = selection.loss_mask(batch).to(torch.float32)
+        mask = rollout.loss_mask(batch).to(torch.float32)
         advantages = torch.zeros_like(mask)
         if self.step_batch is not None:
             step_rewards, step_ends = self.step_batch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import selection
+from .. import rollout
 from ..advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
 from ..process import StepRewardFields, StepRewardsMixin
 from ..screening import PromptSelectionFields, PromptSelectionMixin
@@ -134,7 +134,7 @@ class ReinforcePPTrainer(StepRewardsMixin, PromptSelectionMixin, VariantTrainer)
         super().__init__(model, reward_funcs, args=args, **kwargs)
 
     def compute_advantages(self, rewards, batch, group_size):
-        mask = selection.loss_mask(batch)
+        mask = rollout.loss_mask(batch)
         if self.args.baseline:
             return reinforce_pp_baseline_advantages(rewards, mask, group_size)
         kl = batch.get("kl_in_reward")  # already k1 * mask; the function applies kl_in_reward_coef itself

@@ -13,7 +13,7 @@ from transformers import LogitsProcessor
 from trl.data_utils import is_conversational
 from trl.extras.profiling import profiling_context
 
-from .. import selection
+from .. import rollout
 from ..advantages import remax_advantages
 from .base import VariantConfig, VariantTrainer, check
 
@@ -100,13 +100,13 @@ def greedy_row_images(multimodal_fields: dict, images, rows: list[int], num_rows
     if not multimodal_fields:
         return {}
     # the processor may hand back image tensors as arrays or nested lists; per-token fields stay per-row lists
-    per_row = selection.SPANNING_KEYS + selection.COUNT_KEYS
+    per_row = rollout.SPANNING_KEYS + rollout.COUNT_KEYS
     fields = {k: v if isinstance(v, torch.Tensor) or k in per_row else torch.as_tensor(np.array(v))
               for k, v in multimodal_fields.items()}
     counted = "num_images" not in fields and images is not None
     if counted:  # the per-row image counts that split the image tensors by row
         fields["num_images"] = [len(row) if row else 0 for row in images]
-    selected = selection.image_rows(fields, rows, num_rows)
+    selected = rollout.image_rows(fields, rows, num_rows)
     if counted:
         selected.pop("num_images", None)
     return selected

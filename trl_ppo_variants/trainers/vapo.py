@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 
 from ..advantages import length_adaptive_lambda
-from .. import selection
+from .. import rollout
 from ..losses import positive_example_nll
 from .base import check
 from .ppo import PPOConfig, PPOTrainer
@@ -183,7 +183,7 @@ class VAPOTrainer(PPOTrainer):
     def step_token_counts(self, inputs):
         counts = super().step_token_counts(inputs)
         if "positive" in inputs:  # the positive-example NLL's token mean is over the correct completions' tokens
-            mask = selection.loss_mask(inputs) * inputs["positive"].unsqueeze(1)
+            mask = rollout.loss_mask(inputs) * inputs["positive"].unsqueeze(1)
             counts["num_positive_tokens"] = mask.sum()
         return counts
 
