@@ -24,11 +24,9 @@ import os
 
 import torch
 
+from .errors import check
+
 # --------------------------------------------------------------------------------------------- config
-
-
-def _fail(field_name: str, expected: str, value) -> None:
-    raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
 def _batch_error(args) -> None:
@@ -36,19 +34,21 @@ def _batch_error(args) -> None:
     world = args.world_size
     per_device = args.per_device_train_batch_size
     gbs, spg, group = args.generation_batch_size, args.steps_per_generation, args.num_generations
-    if gbs is not None and spg is not None and gbs != per_device * world * spg:
-        _fail("steps_per_generation", "None when generation_batch_size is set (set only one of the two)", spg)
-    if gbs is not None and spg is None and gbs % (per_device * world) != 0:
-        _fail("generation_batch_size", f"a multiple of per_device_train_batch_size x processes = {per_device * world}",
-              gbs)
-    if gbs is not None and group and gbs % group != 0:
-        _fail("generation_batch_size", f"a multiple of num_generations={group} (generation_batch_size = "
-              f"per_device_train_batch_size {per_device} x {world} processes x steps_per_generation {spg})", gbs)
+    if gbs is not None and spg is not None:
+        check(gbs == per_device * world * spg, "steps_per_generation",
+              "None when generation_batch_size is set (set only one of the two)", spg)
+    if gbs is not None and spg is None:
+        check(gbs % (per_device * world) == 0, "generation_batch_size",
+              f"a multiple of per_device_train_batch_size x processes = {per_device * world}", gbs)
+    if gbs is not None and group:
+        check(gbs % group == 0, "generation_batch_size", f"a multiple of num_generations={group} "
+              f"(generation_batch_size = per_device_train_batch_size {per_device} x {world} processes x "
+              f"steps_per_generation {spg})", gbs)
     if args.do_eval and args.eval_strategy != "no":
         eval_group = args.num_generations_eval or group
-        if (args.per_device_eval_batch_size * world) % eval_group != 0:
-            _fail("per_device_eval_batch_size", f"a value whose product with {world} processes is a multiple of "
-                  f"num_generations_eval={eval_group}", args.per_device_eval_batch_size)
+        check((args.per_device_eval_batch_size * world) % eval_group == 0, "per_device_eval_batch_size",
+              f"a value whose product with {world} processes is a multiple of num_generations_eval={eval_group}",
+              args.per_device_eval_batch_size)
 
 
 def _zero_stage(args) -> int | None:
@@ -77,37 +77,33 @@ def check_config(args) -> None:
     """The shared construction-time checks that need TRL's derived fields (run after `GRPOConfig.__post_init__`)."""
     # clip ranges: the ratio is clipped to [1 - epsilon, 1 + epsilon_high]; epsilon > 1 makes the lower bound negative
     if args.loss_type != "cispo":
-        if not 0 <= args.epsilon <= 1:
-            _fail("epsilon", "a number in [0, 1] (the ratio's lower clip bound 1 - epsilon must stay >= 0)",
-                  args.epsilon)
+        check(0 <= args.epsilon <= 1, "epsilon",
+              "a number in [0, 1] (the ratio's lower clip bound 1 - epsilon must stay >= 0)", args.epsilon)
     high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
-    if args.delta is not None and not args.delta > 1 + high:
-        _fail("delta", f"a number > 1 + epsilon_high = {1 + high} (the two-sided clip's upper bound)", args.delta)
+    if args.delta is not None:
+        check(args.delta > 1 + high, "delta", f"a number > 1 + epsilon_high = {1 + high} (the two-sided clip's upper "
+              "bound)", args.delta)
     for name in ("num_iterations", "steps_per_generation"):
         value = getattr(args, name)
-        if value is not None and not (isinstance(value, int) and value >= 1):
-            _fail(name, "an integer >= 1", value)
-    if args.max_completion_length is not None and not args.max_completion_length >= 1:
-        _fail("max_completion_length", "an integer >= 1", args.max_completion_length)
-    if not 0 < args.top_p <= 1:
-        _fail("top_p", "a number in (0, 1]", args.top_p)
-    if args.learning_rate < 0:
-        _fail("learning_rate", "a number >= 0", args.learning_rate)
+        check(value is None or isinstance(value, int) and value >= 1, name, "an integer >= 1", value)
+    if args.max_completion_length is not None:
+        check(args.max_completion_length >= 1, "max_completion_length", "an integer >= 1", args.max_completion_length)
+    check(0 < args.top_p <= 1, "top_p", "a number in (0, 1]", args.top_p)
+    check(not args.learning_rate < 0, "learning_rate", "a number >= 0", args.learning_rate)
     # every coefficient our configs add (kl_in_reward_coef, vf_coef, positive_lm_coef, ...) weights a loss or a
     # penalty term whose sign is fixed by the paper: a negative one silently turns a penalty into a bonus
     for name, value in _own_fields(args):
-        if name.endswith("_coef") and isinstance(value, numbers.Real) and not value >= 0:
-            _fail(name, "a number >= 0", value)
+        if name.endswith("_coef") and isinstance(value, numbers.Real):
+            check(value >= 0, name, "a number >= 0", value)
         # model paths (value_model_path, ...): a local path must exist now, not after the policy has loaded (a Hub
         # id "org/name" is left to from_pretrained)
-        if name.endswith("_path") and isinstance(value, str) and _looks_local(value) and not os.path.exists(
-            os.path.expanduser(value)
-        ):
-            _fail(name, "an existing local path or a Hub model id", value)
+        if name.endswith("_path") and isinstance(value, str) and _looks_local(value):
+            check(os.path.exists(os.path.expanduser(value)), name, "an existing local path or a Hub model id", value)
     # DeepSpeed ZeRO-3 combinations known not to work (see docs/reliability.md for the sources)
-    if _zero_stage(args) == 3 and args.use_vllm and not args.ds3_gather_for_generation:
-        _fail("ds3_gather_for_generation", "True with use_vllm=True under DeepSpeed ZeRO-3 (vLLM needs the full "
-              "weights; TRL documents the pair as incompatible)", args.ds3_gather_for_generation)
+    if _zero_stage(args) == 3 and args.use_vllm:
+        check(args.ds3_gather_for_generation, "ds3_gather_for_generation", "True with use_vllm=True under DeepSpeed "
+              "ZeRO-3 (vLLM needs the full weights; TRL documents the pair as incompatible)",
+              args.ds3_gather_for_generation)
 
 
 def post_init(args, parent_post_init) -> None:
@@ -140,9 +136,9 @@ def check_model_limits(trainer) -> None:
     token."""
     context = model_context_length(trainer.model)
     limit = trainer.args.max_completion_length
-    if context is not None and limit is not None and limit >= context:
-        _fail("max_completion_length", f"at most {context - 1} (the model's context is {context} positions, the "
-              "prompt needs at least one)", limit)
+    if context is not None and limit is not None:
+        check(limit < context, "max_completion_length", f"at most {context - 1} (the model's context is {context} "
+              "positions, the prompt needs at least one)", limit)
 
 
 # --------------------------------------------------------------------------------------------- rewards

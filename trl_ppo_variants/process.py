@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import check
 from .guards import _as_reward, model_context_length
 from .rewards import completion_text
-from .trainers.base import check
 
 #: `process_reward_model_style` values (see `ProcessRewardModel`)
 PRM_STYLES = ("auto", "trl", "qwen2.5-math-prm")

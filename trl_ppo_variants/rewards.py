@@ -31,6 +31,8 @@ import warnings
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+from .errors import check, config_error
+
 __all__ = [
     "MAX_ANSWER_CHARS",
     "completion_text",
@@ -186,9 +188,7 @@ def get_answer_extractor(name_or_fn) -> Callable[[object], str | None]:
             if not callable(fn):
                 raise ValueError(f"answer_extractor: {name_or_fn!r} is not callable")
             return fn
-    raise ValueError(
-        f"answer_extractor: expected one of {sorted(EXTRACTORS)}, 'module:function' or a callable, got {name_or_fn!r}"
-    )
+    raise config_error("answer_extractor", f"one of {sorted(EXTRACTORS)}, 'module:function' or a callable", name_or_fn)
 
 
 def extract_answers(completions: Sequence, extractor="math") -> list[str | None]:
@@ -517,13 +517,10 @@ class overlong_reward:  # noqa: N801 - a factory used like a function, picklable
     __name__ = "overlong"
 
     def __init__(self, max_completion_len: int, soft_punish_cache: int):
-        if not (isinstance(max_completion_len, int) and max_completion_len > 0):
-            raise ValueError(f"max_completion_len: expected an integer > 0, got {max_completion_len!r}")
-        if not (isinstance(soft_punish_cache, int) and 0 < soft_punish_cache <= max_completion_len):
-            raise ValueError(
-                f"soft_punish_cache: expected an integer in (0, max_completion_len={max_completion_len}], "
-                f"got {soft_punish_cache!r}"
-            )
+        check(isinstance(max_completion_len, int) and max_completion_len > 0, "max_completion_len",
+              "an integer > 0", max_completion_len)
+        check(isinstance(soft_punish_cache, int) and 0 < soft_punish_cache <= max_completion_len, "soft_punish_cache",
+              f"an integer in (0, max_completion_len={max_completion_len}]", soft_punish_cache)
         self.max_completion_len = max_completion_len
         self.soft_punish_cache = soft_punish_cache
 
@@ -609,8 +606,7 @@ def get_reward_function(name_or_path, **kwargs) -> Callable:
     """
     if callable(name_or_path):
         return name_or_path
-    if not isinstance(name_or_path, str):
-        raise ValueError(f"reward function: expected a name or 'module:function', got {name_or_path!r}")
+    check(isinstance(name_or_path, str), "reward function", "a name or 'module:function'", name_or_path)
     if name_or_path == "majority_vote":
         raise ValueError("reward function 'majority_vote' is TTRLTrainer's built-in vote; use TTRLTrainer")
     if name_or_path in REWARD_FUNCTIONS:
@@ -623,6 +619,4 @@ def get_reward_function(name_or_path, **kwargs) -> Callable:
     if ":" in name_or_path:
         obj = _import_object(name_or_path)
         return obj(**kwargs) if kwargs else obj
-    raise ValueError(
-        f"reward function: expected one of {sorted(REWARD_FUNCTIONS)} or 'module:function', got {name_or_path!r}"
-    )
+    raise config_error("reward function", f"one of {sorted(REWARD_FUNCTIONS)} or 'module:function'", name_or_path)

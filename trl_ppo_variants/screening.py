@@ -61,7 +61,8 @@ import torch
 from accelerate.utils import gather_object
 
 from . import rollout, selection
-from .trainers.base import SELECTION_MODES, check
+from .errors import check
+from .trainers.base import SELECTION_MODES
 
 #: GRESO's floor on the probability of keeping a prompt (its code: `1 - max(p ** z, 0.01)` is the skip probability)
 GRESO_MIN_KEEP_PROBABILITY = 0.01

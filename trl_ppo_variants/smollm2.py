@@ -42,6 +42,8 @@ import tempfile
 import time
 import zlib
 
+from .errors import check
+
 __all__ = [
     "CACHE_ENV",
     "DATASET_NAME",
@@ -275,10 +277,8 @@ def word_problem_dataset(n: int, seed: int = 0, split: str = "train", conversati
     """
     from datasets import Dataset
 
-    if split not in ("train", "test"):
-        raise ValueError(f"split: expected 'train' or 'test', got {split!r}")
-    if not (isinstance(n, int) and n >= 1):
-        raise ValueError(f"n: expected an integer >= 1, got {n!r}")
+    check(split in ("train", "test"), "split", "'train' or 'test'", split)
+    check(isinstance(n, int) and n >= 1, "n", "an integer >= 1", n)
     rng = random.Random(f"{split}-{seed}")
     rows, seen = [], set()
     while len(rows) < n:
@@ -323,8 +323,7 @@ def heldout_accuracy(model, tokenizer, prompts, answers, samples: int = 4, tempe
     import torch
 
     reward = reward or word_problem_reward
-    if len(prompts) != len(answers):
-        raise ValueError(f"answers: expected one per prompt ({len(prompts)}), got {len(answers)}")
+    check(len(prompts) == len(answers), "answers", f"one per prompt ({len(prompts)})", len(answers))
     texts = [p if isinstance(p, str) else
              tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     # one entry per sample: batches are full whatever the number of prompts and samples

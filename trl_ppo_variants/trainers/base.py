@@ -34,6 +34,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from .. import checkpointing, generation, guards, rollout, vllm_cpu
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
+from ..errors import check
 from ..losses import aggregate_token_loss, ppo_clip_policy_loss
 
 # Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
@@ -66,12 +67,6 @@ SAMPLING_LOGPS_SOURCES = ("generate", "forward")
 #: the logged share of KL-in-reward batches whose sampling log-probs took the forward pass although
 #: `sampling_logps_source="generate"` (0.0: the generation's were used)
 FORWARD_FALLBACK_METRIC = "sampling_logps/forward_fallback"
-
-
-def check(condition: bool, field_name: str, expected: str, value) -> None:
-    """Raise the package's one-line config error: names the field, what was expected and what was given."""
-    if not condition:
-        raise ValueError(f"{field_name}: expected {expected}, got {value!r}")
 
 
 def _is_count(value) -> bool:

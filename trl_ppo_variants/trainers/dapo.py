@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from trl.rewards import get_soft_overlong_punishment
 
+from ..errors import check
 from ..screening import PromptSelectionFields, PromptSelectionMixin
 # the dynamic-sampling pieces live in the shared selection module; re-exported here for existing imports
 from ..selection import (  # noqa: F401
@@ -17,7 +18,7 @@ from ..selection import (  # noqa: F401
     prompts_to_generate,
     update_keep_rate,
 )
-from .base import VariantConfig, VariantTrainer, check
+from .base import VariantConfig, VariantTrainer
 
 OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"  # the __name__ of TRL's soft overlong punishment
 

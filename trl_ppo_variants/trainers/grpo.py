@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from ..errors import check
 from ..screening import PromptSelectionFields, PromptSelectionMixin
-from .base import AGGREGATIONS, VariantConfig, VariantTrainer, check
+from .base import AGGREGATIONS, VariantConfig, VariantTrainer
 
 
 @dataclass

@@ -75,9 +75,10 @@ from ..critic import (
     skip_critic_params,
     split_critic_state_dict,
 )
+from ..errors import check
 from ..losses import clipped_value_loss
 from ..process import StepRewardFields, StepRewardsMixin
-from .base import VariantConfig, VariantTrainer, check
+from .base import VariantConfig, VariantTrainer
 
 #: key of the optimizer param groups saying whose parameters they hold ("policy" or "critic")
 GROUP_ROLE = "trl_ppo_variants_role"

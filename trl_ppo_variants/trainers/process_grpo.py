@@ -22,9 +22,10 @@ import torch
 
 from .. import rollout
 from ..advantages import grpo_process_advantages
+from ..errors import check
 from ..process import StepRewardFields, StepRewardsMixin
 from ..screening import PromptSelectionFields, PromptSelectionMixin
-from .base import VariantConfig, VariantTrainer, check
+from .base import VariantConfig, VariantTrainer
 
 
 @dataclass

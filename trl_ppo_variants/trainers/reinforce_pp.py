@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from .. import rollout
 from ..advantages import reinforce_pp_advantages, reinforce_pp_baseline_advantages
+from ..errors import check
 from ..process import StepRewardFields, StepRewardsMixin
 from ..screening import PromptSelectionFields, PromptSelectionMixin
-from .base import VariantConfig, VariantTrainer, check
+from .base import VariantConfig, VariantTrainer
 
 #: OpenRLHF's typical `--init_kl_coef` for REINFORCE++ (k1 KL in the reward) and for REINFORCE++-baseline (k2 loss).
 DEFAULT_KL_IN_REWARD_COEF = 0.01

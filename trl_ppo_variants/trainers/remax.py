@@ -15,7 +15,8 @@ from trl.extras.profiling import profiling_context
 
 from .. import rollout
 from ..advantages import remax_advantages
-from .base import VariantConfig, VariantTrainer, check
+from ..errors import check
+from .base import VariantConfig, VariantTrainer
 
 
 @dataclass

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..advantages import rloo_advantages
+from ..errors import check
 from ..screening import PromptSelectionFields, PromptSelectionMixin
-from .base import VariantConfig, VariantTrainer, check
+from .base import VariantConfig, VariantTrainer
 
 
 @dataclass

@@ -15,7 +15,8 @@ import torch
 from accelerate.utils import gather_object
 
 from .. import rewards as R
-from .base import VariantConfig, VariantTrainer, check
+from ..errors import check
+from .base import VariantConfig, VariantTrainer
 
 TRAIN_SUBSETS = ("first", "random")
 EQUIVALENCES = ("normalized", "math_verify")

@@ -28,8 +28,8 @@ import torch
 
 from ..advantages import length_adaptive_lambda
 from .. import rollout
+from ..errors import check
 from ..losses import positive_example_nll
-from .base import check
 from .ppo import PPOConfig, PPOTrainer
 
 
