@@ -62,7 +62,9 @@ from accelerate.utils import gather_object
 
 from . import rollout, selection
 from .errors import check
-from .trainers.base import SELECTION_MODES
+
+#: values of `VariantConfig.prompt_selection`
+SELECTION_MODES = ("none", "dynamic_sampling", "speed", "greso", "speed+greso")
 
 #: GRESO's floor on the probability of keeping a prompt (its code: `1 - max(p ** z, 0.01)` is the skip probability)
 GRESO_MIN_KEEP_PROBABILITY = 0.01

@@ -36,6 +36,7 @@ from .. import checkpointing, generation, guards, rollout, vllm_cpu
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..errors import check
 from ..losses import aggregate_token_loss, ppo_clip_policy_loss
+from ..screening import SELECTION_MODES
 
 # Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
 TRL_PRIVATE_API = {
@@ -80,8 +81,6 @@ DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo", "vespo")
 TOKEN_LEVEL_NORMALIZERS = ("optimizer_step", "generation_batch")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
-#: values of `VariantConfig.prompt_selection` (see `trl_ppo_variants.screening`)
-SELECTION_MODES = ("none", "dynamic_sampling", "speed", "greso", "speed+greso")
 
 
 class _GroupOfOne(int):
