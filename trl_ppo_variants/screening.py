@@ -731,7 +731,7 @@ class PromptSelectionMixin:
     def _generate_and_score_completions(self, inputs):
         if not (self.model.training and self.prompt_selection is not None):
             return super()._generate_and_score_completions(inputs)
-        self.beta = 1.0 if self.needs_reference else 0.0  # as the base does: reference log-probs iff needed
+        self.use_reference_beta()  # as the base does: reference log-probs iff needed
         return self.prompt_selection.generate(inputs)
 
     # The selection's state travels in the base class's per-process checkpoint state, written before the

@@ -388,27 +388,16 @@ class VariantTrainer(GRPOTrainer):
         self.scoring_tally = {"batches": 0, "unscorable_batches": 0, "consecutive": 0, "consecutive_prompts": 0,
                               "completions": 0, "unscorable_completions": 0}
         self._unscorable_prompts = set()  # the prompts counted in "consecutive_prompts" (`track_scorable`)
-        # `beta` in TRL does two things: it loads the reference model (and computes its log-probs at generation), and
-        # it weights a k3 KL term in the loss. Our estimators can need the reference without that loss term (KL in the
-        # reward: RLOO, REINFORCE++, PPO) or with another estimator (k2: REINFORCE++-baseline). So `self.beta` is
-        # toggled: non-zero while generating whenever a reference is needed, the loss coefficient while computing
-        # the loss (0 when our own KL-loss estimator replaces TRL's k3).
-        self.loss_beta = float(args.beta) if args is not None else 0.0
-        self.kl_in_reward_coef = float(getattr(args, "kl_in_reward_coef", 0.0) or 0.0)
+        # the KL coefficients, read once: TRL's `beta` is then set from them only ("TRL's beta" below)
+        self.loss_beta, self.kl_in_reward_coef = self.kl_coefficients(args)
         self.kl_loss_estimator = getattr(args, "kl_loss_estimator", "k3")
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
         self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
-        with vllm_cpu.cpu_colocate_engine(args):  # vLLM's CPU build: engine dtype and weight sync (vllm_cpu.py)
-            if args is not None and self.needs_reference and args.beta == 0.0:
-                args.beta = 1.0  # only so that TRL loads the reference model; restored below
-                try:
-                    super().__init__(model, reward_funcs, args=args, **kwargs)
-                finally:
-                    args.beta = 0.0
-            else:
-                super().__init__(model, reward_funcs, args=args, **kwargs)
-        self.beta = 1.0 if self.needs_reference else 0.0
+        # vLLM's CPU build: engine dtype and weight sync (vllm_cpu.py)
+        with vllm_cpu.cpu_colocate_engine(args), self._loading_reference(args):
+            super().__init__(model, reward_funcs, args=args, **kwargs)
+        self.use_reference_beta()
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
         self.relative_positions = generation.relative_positions(self.model)
         #: whether the policy derives its positions from its image inputs (M-RoPE): a recording `generate` is then
@@ -427,6 +416,64 @@ class VariantTrainer(GRPOTrainer):
         if not isinstance(args, cls.config_class):
             raise TypeError(f"args: expected a {cls.config_class.__name__}, got {type(args).__name__}")
         return args
+
+    # -------------------------------------------------------------------------------------------- TRL's beta
+    # Every write of TRL's `beta` is in this section. `GRPOTrainer`'s `beta` has two roles: non-zero, it loads a
+    # reference model (its `__init__` reads `args.beta`; with PEFT, a "ref" adapter) whose log-probs are then computed
+    # at generation (`self.beta` in `_generate_and_score_completions`), and it weights TRL's k3 KL term in the loss
+    # (`self.beta` in `_compute_loss`). Our estimators need the two apart: the reference without a loss term (the KL
+    # in the reward, `kl_in_reward_coef`: REINFORCE++, PPO, ReMax, TTRL, RLOO's `beta`), or a loss term with another
+    # estimator than k3 (`kl_loss_estimator`: k2 for REINFORCE++-baseline), which `_compute_loss` adds itself. So
+    # TRL's `beta` is 1.0 exactly when a reference is needed (`reference_beta`), in `__init__`, at generation and
+    # between steps, and only inside `_compute_loss` the coefficient of TRL's own k3 term (`_trl_loss_beta`).
+    # The config's `beta` is never changed: it is the user's (saved with checkpoints, read by the model card).
+    def kl_coefficients(self, args) -> tuple[float, float]:
+        """`(loss, reward)`: the coefficients of the KL term in the loss and of the KL in the reward, read from `args`
+        once, at construction. The config's `beta` weights the loss term (TRL's meaning) and `kl_in_reward_coef` the
+        KL in the reward; a trainer whose `beta` means something else says so here (RLOO: the reward's)."""
+        if args is None:
+            return 0.0, 0.0
+        return float(args.beta), float(getattr(args, "kl_in_reward_coef", 0.0) or 0.0)
+
+    @property
+    def reference_beta(self) -> float:
+        """TRL's `beta` outside the loss: 1.0 when a reference is needed (a KL in the loss or in the reward), else 0.0
+        (TRL then neither loads a reference nor computes its log-probs)."""
+        return 1.0 if self.needs_reference else 0.0
+
+    @property
+    def own_kl_loss(self) -> bool:
+        """Whether the KL term of the loss is ours (`kl_loss_estimator` other than TRL's k3), added by `_compute_loss`
+        in place of TRL's."""
+        return self.loss_beta != 0.0 and self.kl_loss_estimator != "k3"
+
+    @contextlib.contextmanager
+    def _loading_reference(self, args):
+        """Around `GRPOTrainer.__init__`: `args.beta` is `reference_beta`, so that TRL loads a reference model exactly
+        when one is needed; the user's `beta` is put back after."""
+        if args is None:
+            yield
+            return
+        beta, args.beta = args.beta, self.reference_beta
+        try:
+            yield
+        finally:
+            args.beta = beta
+
+    def use_reference_beta(self) -> None:
+        """Set TRL's `beta` to `reference_beta`: TRL computes the reference log-probs of a rollout iff it is non-zero.
+        Every generation batch sets it (prompt selections' rounds too), in case anything changed it in between."""
+        self.beta = self.reference_beta
+
+    @contextlib.contextmanager
+    def _trl_loss_beta(self):
+        """Inside TRL's `_compute_loss`, which adds `beta * k3`: `beta` is the loss coefficient, or 0 when our own KL
+        estimator replaces TRL's (`own_kl_loss`); `reference_beta` again after."""
+        self.beta = 0.0 if self.own_kl_loss else self.loss_beta
+        try:
+            yield
+        finally:
+            self.use_reference_beta()
 
     # -------------------------------------------------------------------------------------------- hooks
     def compute_advantages(self, rewards: torch.Tensor, batch: dict, group_size: int) -> torch.Tensor:
@@ -670,7 +717,7 @@ class VariantTrainer(GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
-        self.beta = 1.0 if self.needs_reference else 0.0  # TRL computes reference log-probs iff beta != 0
+        self.use_reference_beta()
         output = self.score_rollout(inputs)
         return self._replace_advantages(output, inputs)
 
@@ -684,15 +731,14 @@ class VariantTrainer(GRPOTrainer):
         return output
 
     def _compute_loss(self, model, inputs):
-        own_kl = self.loss_beta != 0.0 and self.kl_loss_estimator != "k3"
+        own_kl = self.own_kl_loss
         dual_clip = self.args.clip_ratio_c is not None
-        self.beta = 0.0 if own_kl else self.loss_beta
         self._capture_logps = own_kl or dual_clip or self.captures_policy_logps
         try:
-            loss = super()._compute_loss(model, inputs)
+            with self._trl_loss_beta():
+                loss = super()._compute_loss(model, inputs)
         finally:
             self._capture_logps = False
-            self.beta = 1.0 if self.needs_reference else 0.0
         logps, self._captured_logps = self._captured_logps, None
         self._loss_logps = logps if self.captures_policy_logps else None
         if own_kl:

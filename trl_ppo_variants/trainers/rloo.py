@@ -87,14 +87,12 @@ class RLOOTrainer(PromptSelectionMixin, VariantTrainer):
     config_class = RLOOConfig
 
     def __init__(self, model, reward_funcs=None, args: RLOOConfig | None = None, **kwargs):
-        args = self.resolve_args(args)
-        beta = args.beta
-        args.kl_in_reward_coef = beta  # follows `beta` even if it was changed after the config was built
-        args.beta = 0.0  # the KL goes into the reward (kl_in_reward_coef), not the loss
-        try:
-            super().__init__(model, reward_funcs, args=args, **kwargs)
-        finally:
-            args.beta = beta
+        super().__init__(model, reward_funcs, args=self.resolve_args(args), **kwargs)
+
+    def kl_coefficients(self, args) -> tuple[float, float]:
+        """`beta` is the KL-in-reward coefficient (`trl.RLOOConfig`'s meaning): no KL term in the loss."""
+        args.kl_in_reward_coef = args.beta  # follows `beta` even if it was changed after the config was built
+        return 0.0, float(args.beta)
 
     def compute_advantages(self, rewards, batch, group_size):
         if self.args.reward_clip_range is not None:  # clip, then penalise, as trl.RLOOTrainer does
