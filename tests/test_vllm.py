@@ -15,6 +15,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -69,11 +70,20 @@ class Launcher:
             time.sleep(0.5)
         return self.done[name]
 
+    @staticmethod
+    def _kill(proc):
+        """Kill a run with every process it started (its own session): an `accelerate launch` killed alone leaves its
+        ranks running, holding the launch's port, and the next launch on it waits for them."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
     def stop(self):
         """Kill the runs still going (a session that ends early leaves no engine behind)."""
         for _, proc, log, _ in self.running.values():
-            proc.kill()
-            proc.wait()
+            self._kill(proc)
             log.close()
         self.running.clear()
 
@@ -82,9 +92,7 @@ class Launcher:
             timed_out = time.monotonic() - started > self.specs[run]["timeout"]
             if proc.poll() is None and not timed_out:
                 continue
-            if timed_out and proc.poll() is None:
-                proc.kill()
-            proc.wait()
+            self._kill(proc)  # a timed-out run, or what an ended one left running
             log.close()
             with open(os.path.join(directory, "output.log")) as f:
                 output = f.read()
@@ -98,7 +106,8 @@ class Launcher:
             os.makedirs(directory)
             argv, env = self.specs[run]["command"](directory)
             log = open(os.path.join(directory, "output.log"), "w")
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV, **env})
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV, **env},
+                                    start_new_session=True)
             self.running[run] = (directory, proc, log, time.monotonic())
             self.queue.remove(run)
             busy += self.specs[run]["slots"]
