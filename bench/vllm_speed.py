@@ -8,7 +8,7 @@ SmolLM2-135M-Instruct (`trl_ppo_variants.smollm2`, fp32) on its word problems, e
 settings (`demo.COMMON` + `demo.ALGO_SETTINGS`, its rewards: TTRL its majority vote, process GRPO the task reward as a
 one-step step reward; VAPO's value pre-training shortened to the 1 warm-up step, `OVERRIDES`): this package's
 algorithms by name and "trl" (`trl.GRPOTrainer`, its colocate engine built with this package's CPU fixes:
-`vllm_cpu.cpu_colocate_engine`; without them TRL's first sync fails). Sizes: "demo" (`make demo`'s step: 16
+`vllm_cpu.colocate_engine`; without them TRL's first sync fails). Sizes: "demo" (`make demo`'s step: 16
 completions of at most 24 tokens) and "large" (64 completions of at most 128 tokens, where generation dominates).
 Reported per trainer: the HF and the vLLM step, vLLM / HF, and each step's split. `--merge` keeps the runs of the
 existing results that are not run again (a size or trainers measured separately).
@@ -85,7 +85,7 @@ def instrument(trainer, steps: list) -> None:
 
         timed(reload, "initialize_layerwise_reload", current, "reload_init")
         timed(reload, "finalize_layerwise_reload", current, "reload_finalize")
-        timed(vllm_cpu, "repack_tied_head", current, "head")
+        timed(vllm_cpu, "repack_tied_heads", current, "head")
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -146,7 +146,7 @@ def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)
     rewards, extra = algorithm_rewards(which, word_problem_reward)
-    with vllm_cpu.cpu_colocate_engine(args):  # ours does this itself; trl.GRPOTrainer needs it on CPU
+    with vllm_cpu.colocate_engine(args):  # ours does this itself; trl.GRPOTrainer needs it on CPU
         return trainer_cls(model_dir, rewards, args=args, train_dataset=dataset, **extra)
 
 

@@ -97,6 +97,16 @@ def test_trainer_state_we_read_exists(toy_model_dir, toy_dataset, tmp_path):
             f"GRPOTrainer._generate_single_turn no longer contains {needle!r}: the generate wrapper of "
             "trainers/base.py (ReMax's greedy rows, the recorded sampling log-probs) must be re-checked"
         )
+    # a VLM's prompts for the colocate engine (base._tokenize_prompts, engine_prompt_ids): rendered with TRL's arguments,
+    # and its vLLM branch reads the prompt ids for the engine only; `_generate` hands the forward the image lists
+    # second to last (base._generate)
+    for attr in ("tools", "chat_template", "chat_template_kwargs", "environment_factories", "vllm_mode"):
+        assert hasattr(trainer, attr), f"GRPOTrainer no longer has `{attr}`; trainers/base.py reads it"
+    for method, needle in ((GRPOTrainer._generate_single_turn, "prompts=prompt_ids,"),
+                           (GRPOTrainer._generate, "extra_fields, images, tool_images")):
+        assert needle in inspect.getsource(method), (
+            f"GRPOTrainer.{method.__name__} no longer contains {needle!r}: the vLLM image prompts of "
+            "trainers/base.py (`engine_prompt_ids`, `_generate`) must be re-checked")
     source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
     assert 'output["sampling_per_token_logps"] = sampling_per_token_logps' in source, (
         "GRPOTrainer._generate_and_score_completions no longer stores `sampling_per_token_logps`: "

@@ -11,12 +11,11 @@ missing (`make test-vllm` runs it in `.venv-vllm`).
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_vllm import ENGINE_BOUND  # the engine-vs-policy bound of the single-process tests
+from test_vllm import ENGINE_BOUND, LAUNCHER  # the single-process tests' bound, and their launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "vllm_zero3.py"
@@ -33,23 +32,31 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def zero3_run(tmp_path_factory):
-    """{case: [rank 0's result, rank 1's result]} of the ZeRO-3 launch on the tied-head toy model (head_dim 32)."""
+def zero3_command(directory):
+    """The `accelerate launch` of `vllm_zero3.py` on the tied-head toy model (head_dim 32), into `directory`."""
     from trl_ppo_variants.toy import make_toy_checkpoint
 
-    tmp = tmp_path_factory.mktemp("vllm_zero3")
-    model_dir = make_toy_checkpoint(str(tmp / "model"), warm_steps=12, hidden_size=128, tie_word_embeddings=True)
+    model_dir = make_toy_checkpoint(os.path.join(directory, "model"), warm_steps=12, hidden_size=128,
+                                    tie_word_embeddings=True)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
            str(ROOT / "tests" / "configs" / "critic_zero3.yaml"), "--num_processes", str(RANKS),
-           "--main_process_port", str(PORT), str(SCRIPT), model_dir, str(tmp), *CASES]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT))
-    # ~65 s alone on 2 cores (two engines built at ~22 s each, in parallel): generous for a shared machine
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+           "--main_process_port", str(PORT), str(SCRIPT), model_dir, directory, *CASES]
+    return cmd, {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+
+
+# two processes: two of the launcher's slots, so first (a cost above every other run's): it then runs alone, and the
+# single-process runs fill both slots after it instead of one waiting for the other to end
+LAUNCHER.add("zero3", "zero3_run", 10_000, zero3_command, slots=RANKS, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def zero3_run(request):
+    """{case: [rank 0's result, rank 1's result]} of the ZeRO-3 launch (`LAUNCHER`, beside the single-process runs)."""
+    directory, proc = LAUNCHER.result("zero3", request)
+    assert proc.returncode == 0, proc.stdout[-8000:]
     # `distributed.finish` destroys the engines' groups first: vLLM's exit-time finalizer then has nothing to destroy
-    assert "Invalid process group" not in proc.stderr, proc.stderr[-5000:]
-    ranks = [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    assert "Invalid process group" not in proc.stdout, proc.stdout[-5000:]
+    ranks = [json.loads((Path(directory) / f"rank{r}.json").read_text()) for r in range(RANKS)]
     return {case: [rank[case] for rank in ranks] for case in CASES}
 
 

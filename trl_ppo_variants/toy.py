@@ -233,14 +233,24 @@ def make_learned_position_checkpoint(path: str | None = None, seed: int = 0) -> 
     """A random tiny GPT-2 (learned absolute position embeddings, unlike the rotary toy model) on the toy tokenizer,
     saved to `path` (a temp dir when None); return the path. No dropout (TRL's policy forward runs in train mode, so
     the policy would not equal the reference), LM head untied (so that `cast_lm_head_to_fp32` applies)."""
+    return _gpt2_checkpoint(path, seed, n_embd=32, n_head=2, tie_word_embeddings=False)
+
+
+def make_tied_gpt2_checkpoint(path: str | None = None, seed: int = 0) -> str:
+    """A random tiny GPT-2 whose LM head is tied to `transformer.wte` (an embedding not at `model.embed_tokens`), at
+    vLLM's CPU head size (n_embd 128, 4 heads: head_dim 32), no dropout, saved to `path`; return the path."""
+    return _gpt2_checkpoint(path, seed, n_embd=128, n_head=4, tie_word_embeddings=True)
+
+
+def _gpt2_checkpoint(path, seed: int, n_embd: int, n_head: int, tie_word_embeddings: bool) -> str:
     from transformers import AutoModelForCausalLM, GPT2Config
 
     path = path or tempfile.mkdtemp(prefix="toy_gpt2_")
     tok = build_tokenizer()
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = GPT2Config(vocab_size=len(tok), n_embd=n_embd, n_layer=2, n_head=n_head, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=tie_word_embeddings,
+                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id

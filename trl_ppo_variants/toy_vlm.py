@@ -10,6 +10,9 @@ byte, no merges) that carries the family's special tokens and the chat template 
 (`trl/chat_templates/*.jinja`, read at build time). Nothing is downloaded and torchvision is not needed: the image
 processors are the PIL ones.
 
+`VLLM_FAMILY` (Idefics3: SigLIP-style tower, Llama text model with a tied head, hidden size 64 and head size 32) is
+the one vLLM's CPU build serves without torchvision (tests/test_vllm.py trains every trainer on it under the engine).
+
 Qwen2-VL / Qwen2.5-VL: transformers' `Qwen2VLProcessor` needs a video processor, which without torchvision cannot be
 built. `ToyQwen2VLProcessor` / `ToyQwen2_5_VLProcessor` are image-only subclasses; importing this module registers them
 with `AutoProcessor`, so `AutoProcessor.from_pretrained(path)` (what TRL does when no `processing_class` is passed)
@@ -133,7 +136,23 @@ def _register_processors() -> dict:
     return classes
 
 
+def _register_idefics3_image_processor() -> None:
+    """transformers 5.17 (vLLM's CPU build pins < 5.18) marks `Idefics3ImageProcessorPil` as needing torchvision (its
+    module's docstrings name `TorchvisionBackend`, which its import-structure scan reads as a dependency), so
+    `AutoProcessor` finds no Idefics3 image processor without torchvision. Registered classes are looked up by name
+    first; registering against transformers' own config is skipped, hence a private config class as the key."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.image_processing_auto import AutoImageProcessor  # the top-level name is a stub
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    class Key(PretrainedConfig):
+        model_type = "toy_vlm_idefics3_image_processor"
+
+    AutoImageProcessor.register(Key, image_processor_classes={"pil": Idefics3ImageProcessorPil}, exist_ok=True)
+
+
 _PROCESSORS = _register_processors()
+_register_idefics3_image_processor()
 ToyQwen2VLProcessor = _PROCESSORS["ToyQwen2VLProcessor"]
 ToyQwen2_5_VLProcessor = _PROCESSORS["ToyQwen2_5_VLProcessor"]
 ToyQwen3VLProcessor = _PROCESSORS["ToyQwen3VLProcessor"]
@@ -275,15 +294,52 @@ def _llava_next(family: str):
     return LlavaNextForConditionalGeneration(config), processor, [tokenizer.eos_token_id]
 
 
+#: the family vLLM's CPU build runs (`make_tiny_vlm(path, VLLM_FAMILY)`): vLLM 0.31's Gemma3, LLaVA(-NeXT), Pixtral and
+#: Qwen2(.5)-VL model code imports transformers' torchvision image processors, which do not load without torchvision
+#: (whose wheels do not load with the CPU torch); its Idefics3 imports none
+VLLM_FAMILY = "idefics3"
+#: the text model at vLLM's CPU attention's smallest head size (32; the toy's 16 is refused)
+_VLLM_TEXT = dict(_TEXT, hidden_size=64, intermediate_size=128, head_dim=32)
+
+
+def _idefics3(family: str):
+    """Idefics3 (SigLIP-style tower, pixel-shuffle connector, Llama text model) with a tied LM head, at vLLM's CPU
+    head size. No image splitting: a 32x32 image is one frame of 16 patches, 4 tokens after the 2x2 pixel shuffle,
+    wrapped as `<fake_token_around_image><global-img><image>x4<fake_token_around_image>`."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    fake, image, end = "<fake_token_around_image>", "<image>", "<end_of_utterance>"
+    tokenizer = byte_level_tokenizer(trl_chat_template("idefics3"), bos="<|begin_of_text|>", eos=end, pad="<pad>",
+                                     special=[fake, image, "<global-img>"], named={"image_token": image})
+    scale = 2
+    tokens_per_image = (IMAGE_SIZE // PATCH_SIZE) ** 2 // scale**2
+    text = {k: v for k, v in _VLLM_TEXT.items() if k != "head_dim"}  # Llama: hidden / heads
+    config = Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), **text, tie_word_embeddings=True,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=1,
+                           image_size=IMAGE_SIZE, patch_size=PATCH_SIZE),  # one head of 32
+        scale_factor=scale, image_token_id=tokenizer.convert_tokens_to_ids(image), tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id)
+    side = {"longest_edge": IMAGE_SIZE}
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(do_image_splitting=False, size=side, max_image_size=side),
+        tokenizer=tokenizer, image_seq_len=tokens_per_image, chat_template=tokenizer.chat_template)
+    return Idefics3ForConditionalGeneration(config), processor, [tokenizer.eos_token_id]
+
+
 def build_tiny_vlm(family: str, seed: int = 0, dtype: str = "float32"):
-    """(model, processor) of `family` (one of `VLM_FAMILIES` or `EXTRA_FAMILIES`), random weights from `seed`, in
-    `dtype`."""
+    """(model, processor) of `family` (one of `VLM_FAMILIES`, `EXTRA_FAMILIES` or `VLLM_FAMILY`), random weights from
+    `seed`, in `dtype`."""
     import torch
     from transformers import GenerationConfig
 
-    builders = {"gemma3": _gemma3, "llava_next": _llava_next, **dict.fromkeys(_QWEN, _qwen_vl)}
+    builders = {"gemma3": _gemma3, "llava_next": _llava_next, **dict.fromkeys(_QWEN, _qwen_vl),
+                VLLM_FAMILY: _idefics3}
     if family not in builders:
-        raise ValueError(f"family: expected one of {VLM_FAMILIES + EXTRA_FAMILIES}, got {family!r}")
+        raise ValueError(f"family: expected one of {VLM_FAMILIES + EXTRA_FAMILIES + (VLLM_FAMILY,)}, got {family!r}")
     model, processor, eos = builders[family](family)
     init_tiny_weights(model, seed)
     tokenizer = processor.tokenizer
@@ -396,6 +452,7 @@ def vision_parameter_names(model) -> list[str]:
     return [n for n, _ in model.named_parameters() if re.search(r"(^|\.)(visual|vision_tower)\.", n)]
 
 
-__all__ = ["VLM_FAMILIES", "EXTRA_FAMILIES", "make_tiny_vlm", "build_tiny_vlm", "load_tiny_vlm_processor", "color_images",
-           "toy_vlm_dataset", "toy_vlm_mixed_dataset", "color_reward", "byte_level_tokenizer", "trl_chat_template",
-           "vision_parameter_names", "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor", "ToyQwen3VLProcessor", "template_tokens"]
+__all__ = ["VLM_FAMILIES", "EXTRA_FAMILIES", "VLLM_FAMILY", "make_tiny_vlm", "build_tiny_vlm", "load_tiny_vlm_processor",
+           "color_images", "toy_vlm_dataset", "toy_vlm_mixed_dataset",
+           "color_reward", "byte_level_tokenizer", "trl_chat_template", "vision_parameter_names",
+           "ToyQwen2VLProcessor", "ToyQwen2_5_VLProcessor", "ToyQwen3VLProcessor", "template_tokens"]

@@ -4,7 +4,8 @@
         tests/scripts/vllm_zero3.py MODEL_DIR OUT_DIR CASE [CASE ...]
 
 Each process builds its own engine (TRL: `distributed_executor_backend="external_launcher"`, one engine per rank with
-`vllm_tensor_parallel_size=1`), shared by the process's cases as in `vllm_colocate.py` (`share_one_engine`); the case
+`vllm_tensor_parallel_size=1`; eager, as `vllm_colocate.py`'s runs but `tied`), shared by the process's cases as in
+`vllm_colocate.py` (`share_one_engine`); the case
 `grpo_tp2` instead splits one engine over both processes (TRL's tensor-parallel groups: each rank holds half of each
 layer and generates both ranks' prompts), in a launch of its own. Per case (a name of `vllm_colocate.CASES` or
 `grpo_tp2`): build the trainer, sync (under ZeRO-3 TRL gathers each parameter), measure the
@@ -23,7 +24,8 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # vllm_colocate: the cases and the measurement
 
 from vllm_colocate import (  # noqa: E402
-    CASES, case_trainer, fixed_logps, max_difference, moved, numeric_logs, record_generate_calls, share_one_engine)
+    CASES, case_trainer, fixed_logps, max_difference, moved, numeric_logs, record_generate_calls, share_one_engine,
+    text_items)
 
 from trl_ppo_variants.toy import use_offline_env  # noqa: E402
 
@@ -52,17 +54,17 @@ def full_parameters(trainer) -> dict:
         return {n: p.detach().clone() for n, p in params}
 
 
-def policy_fixed_logps(trainer, tokenizer) -> list[torch.Tensor]:
+def policy_fixed_logps(trainer, items) -> list[torch.Tensor]:
     """`fixed_logps` of the policy's forward with its full parameters. ZeRO-3 before training: its parameters are
     sharded but DeepSpeed's hooks, which gather them in a forward, come with `deepspeed.initialize` (at `train`), so
     they are gathered around the forward; after it the forward runs through the hooks."""
     sharded = [p for p in trainer.model.parameters() if hasattr(p, "ds_id")]
     if not sharded or trainer.model_wrapped is not trainer.model:
-        return fixed_logps(trainer, tokenizer, engine=False)
+        return fixed_logps(trainer, items, engine=False)
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(sharded):
-        return fixed_logps(trainer, tokenizer, engine=False)
+        return fixed_logps(trainer, items, engine=False)
 
 
 def local_fraction(trainer) -> float:
@@ -72,7 +74,7 @@ def local_fraction(trainer) -> float:
     return sum(p.ds_tensor.numel() if hasattr(p, "ds_id") else p.numel() for p in params) / full
 
 
-def run_case(name: str, model_dir: str, tokenizer) -> dict:
+def run_case(name: str, model_dir: str, items: list) -> dict:
     start = time.perf_counter()
     trainer = case_trainer(CASES[name], model_dir)
     result = {"case": name, "engine": type(trainer.vllm_generation).__name__,
@@ -80,8 +82,8 @@ def run_case(name: str, model_dir: str, tokenizer) -> dict:
               "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
               if trainer.is_deepspeed_enabled else None, "build_seconds": time.perf_counter() - start}
     trainer.vllm_generation.sync_weights()  # the engine may hold the previous case's policy
-    initial_policy = policy_fixed_logps(trainer, tokenizer)
-    result["untrained"] = max_difference(fixed_logps(trainer, tokenizer, engine=True), initial_policy)
+    initial_policy = policy_fixed_logps(trainer, items)
+    result["untrained"] = max_difference(fixed_logps(trainer, items, engine=True), initial_policy)
     initial = full_parameters(trainer)
     calls = []
     record_generate_calls(trainer, calls)
@@ -93,8 +95,8 @@ def run_case(name: str, model_dir: str, tokenizer) -> dict:
     result["policy_moved"] = moved(initial, final, policy=True)
     result["critic_moved"] = moved(initial, final, policy=False)
     trainer.vllm_generation.sync_weights()
-    engine = fixed_logps(trainer, tokenizer, engine=True)
-    result["trained"] = max_difference(engine, policy_fixed_logps(trainer, tokenizer))
+    engine = fixed_logps(trainer, items, engine=True)
+    result["trained"] = max_difference(engine, policy_fixed_logps(trainer, items))
     result["engine_vs_initial_policy"] = max_difference(engine, initial_policy)
     result["steps"] = trainer.state.global_step
     result["generate_calls"] = calls  # (step, rows): this rank's engine generated this rank's completions
@@ -109,14 +111,14 @@ def main(model_dir: str, out_dir: str, *names: str) -> None:
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}: expected some of {list(CASES)}")
-    share_one_engine()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    share_one_engine(enforce_eager=True)  # the compiled engine's sync: vllm_colocate's `tied` run
+    items = text_items(AutoTokenizer.from_pretrained(model_dir))
     rank = int(os.environ.get("RANK", "0"))
     results = {}
     for name in names:
         start = time.perf_counter()
         try:
-            results[name] = run_case(name, model_dir, tokenizer)
+            results[name] = run_case(name, model_dir, items)
         except Exception as e:  # recorded; the other rank may hang in a collective, the test's timeout ends it
             results[name] = {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - start

@@ -52,7 +52,7 @@ TRL_PRIVATE_API = {
     "_save_checkpoint": ("self", "model", "trial"),
     "_load_optimizer_and_scheduler": ("self", "checkpoint"),
     "_get_train_sampler": ("self", "dataset"),
-    "_generate": ("self", "prompts"),  # ReMax
+    "_generate": ("self", "prompts"),  # base (prompts without images under vLLM), ReMax
     "_save": ("self", "output_dir", "state_dict"),  # PPO (value model)
     "_load_from_checkpoint": ("self", "resume_from_checkpoint", "model"),  # base (VLM keys), PPO (value model)
     "_load_best_model": ("self",),  # base (VLM keys), PPO (value model)
@@ -358,6 +358,11 @@ def _join_forward_chunks(parts: list[tuple]) -> tuple:
             None if aux[0] is None else torch.stack(aux).mean())
 
 
+def no_image_as_empty_list(images: list) -> list:
+    """TRL's per-prompt image lists with `None` (a prompt without images) as `[]`, which its processor call takes."""
+    return [prompt_images if prompt_images is not None else [] for prompt_images in images]
+
+
 class VariantTrainer(GRPOTrainer):
     """Base class: `GRPOTrainer` with the advantage estimator (and optionally the rows) replaced.
 
@@ -394,8 +399,8 @@ class VariantTrainer(GRPOTrainer):
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
         self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
-        # vLLM's CPU build: engine dtype and weight sync (vllm_cpu.py)
-        with vllm_cpu.cpu_colocate_engine(args), self._loading_reference(args):
+        # the sync's image cache; vLLM's CPU build: dtype, sync (vllm_cpu.py)
+        with vllm_cpu.colocate_engine(args), self._loading_reference(args):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.use_reference_beta()
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
@@ -649,9 +654,30 @@ class VariantTrainer(GRPOTrainer):
             # TRL marks a prompt without images `None`, which its own processor call for the forward's image inputs
             # refuses ("only a single or a list of entries") once a batch mixes prompts with and without images: a
             # batch of several prompts (DAPO's rounds, SPEED, GRESO, any batch of TRL's too) hits it where one prompt a
-            # batch does not. The processor takes an empty list. vLLM reads `None` as "no image": left as it is there.
-            images = [prompt_images if prompt_images is not None else [] for prompt_images in images]
+            # batch does not. The processor takes an empty list. vLLM reads `None` as "no image" (an empty list fails
+            # there): left as it is for generation, and made a list after it (`_generate`).
+            images = no_image_as_empty_list(images)
+        self._unexpanded_prompts = {}
+        if images is not None and self.use_vllm and self.vllm_mode == "colocate":  # `vllm_cpu.unexpanded_prompt_ids`
+            if self.environment_factories is not None:
+                tools = [self._env_tools[name] or None for name in self._batch_environments]
+            else:
+                tools = [self.tools or None] * len(prompts)
+            self._unexpanded_prompts = vllm_cpu.unexpanded_prompt_ids(
+                self.processing_class, prompts, prompt_ids, images, tools, self.chat_template,
+                self.chat_template_kwargs)
         return prompt_ids, images, multimodal_fields
+
+    def engine_prompt_ids(self, prompt_ids: list) -> list:
+        """The prompts of the batch being generated as the colocate vLLM engine takes them: its images' placeholders
+        unexpanded (`vllm_cpu.engine_prompt_ids`); as they are without images or in server mode."""
+        return vllm_cpu.engine_prompt_ids(prompt_ids, getattr(self, "_unexpanded_prompts", {}))
+
+    def _generate(self, prompts):
+        *generated, images, tool_images = super()._generate(prompts)
+        if images is not None and self.use_vllm:  # the forward's processor call, next: see `_tokenize_prompts`
+            images = no_image_as_empty_list(images)
+        return (*generated, images, tool_images)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Every change to TRL's HF `generate` call goes through one wrapper (generation.patched_generate): ReMax's
@@ -663,6 +689,8 @@ class VariantTrainer(GRPOTrainer):
             raise RuntimeError(f"{type(self).__name__}: logits processors need HF `generate` (not vLLM or "
                                "transformers continuous batching)")
         if not (processors or record):  # vLLM returns its own log-probs; continuous batching none (forward)
+            if self.use_vllm:  # (TRL's vLLM path reads the prompt ids for the engine only)
+                prompt_ids = self.engine_prompt_ids(prompt_ids)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         target = self.accelerator.unwrap_model(self.model_wrapped)

@@ -226,7 +226,7 @@ class ReMaxTrainer(VariantTrainer):
     def _vllm_greedy(self, greedy_prompts, padded, filler, images=None):
         """One temperature-0 request for the greedy rows, padded to the same count on every rank (TRL slices the
         server's answer by equal per-rank counts). `images`: the `padded` rows' image lists, or None."""
-        prompts = list(greedy_prompts) + [filler] * (padded - len(greedy_prompts))
+        prompts = self.engine_prompt_ids(list(greedy_prompts) + [filler] * (padded - len(greedy_prompts)))
         generation = self.vllm_generation
         temperature = generation.temperature
         generation.temperature = 0.0  # vLLM's greedy decoding
