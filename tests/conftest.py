@@ -5,6 +5,7 @@ from trl_ppo_variants.toy import use_offline_env
 use_offline_env()
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,9 +45,10 @@ def toy_dataset():
 
 
 def toy_args(config_cls, tmp_path, **overrides):
-    """Small, fast, offline, CPU-only settings for any config class of the package."""
+    """Small, fast, offline, CPU-only settings for any config class of the package (`tmp_path`: a folder, as a path or
+    a string). The one source of the toy settings: the multi-process scripts use it too (tests/scripts/_common.py)."""
     kwargs = dict(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(Path(tmp_path) / "out"),
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=4,
