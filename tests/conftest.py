@@ -4,6 +4,7 @@ from trl_ppo_variants.toy import use_offline_env
 
 use_offline_env()
 
+import os
 import re
 from pathlib import Path
 
@@ -11,6 +12,12 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def worker_cores() -> int:
+    """The threads a test on one process may use: the cores shared among pytest-xdist's workers (`-n`), so that a
+    real-model test that takes more than one does not oversubscribe them (OpenMP threads then wait on each other)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(scope="session")

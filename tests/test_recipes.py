@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import worker_cores
 from launcher import accelerate_launch
 
 from trl_ppo_variants import cli
@@ -370,7 +371,7 @@ def _offline_cli(tmp_path, *extra):
 
 def _offline_env(threads: int):
     # the checkpoint is already in the cache (fixture smollm2_dir): the run only reads it. A single process gets every
-    # core (the launched ones: one thread each, tests/launcher.py)
+    # core of this test worker (the launched ones: one thread each, tests/launcher.py)
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
@@ -382,7 +383,7 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
     the real model from the cache, the built-in task, the built-in reward; the trained model is saved."""
     exe = Path(sys.executable).with_name("trl-ppo-variants")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trl_ppo_variants"]
-    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(os.cpu_count() or 1), cwd=ROOT,
+    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(worker_cores()), cwd=ROOT,
                           capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert "trained rloo for 2 steps on 1 process on cpu;" in proc.stdout
