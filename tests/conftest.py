@@ -4,12 +4,20 @@ from trl_ppo_variants.toy import use_offline_env
 
 use_offline_env()
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+
+def worker_cores() -> int:
+    """The threads a test on one process may use: the cores shared among pytest-xdist's workers (`-n`), so that a
+    real-model test that takes more than one does not oversubscribe them (OpenMP threads then wait on each other)."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(scope="session")
@@ -44,9 +52,10 @@ def toy_dataset():
 
 
 def toy_args(config_cls, tmp_path, **overrides):
-    """Small, fast, offline, CPU-only settings for any config class of the package."""
+    """Small, fast, offline, CPU-only settings for any config class of the package (`tmp_path`: a folder, as a path or
+    a string). The one source of the toy settings: the multi-process scripts use it too (tests/scripts/_common.py)."""
     kwargs = dict(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(Path(tmp_path) / "out"),
         per_device_train_batch_size=8,
         num_generations=4,
         max_completion_length=4,

@@ -4,15 +4,13 @@ tests/scripts/dapo_2proc.py, launched by the slow tests at the end)."""
 
 import json
 import math
-import os
-import subprocess
 import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import addition_answer, toy_args
+from launcher import accelerate_launch
 from trl import GRPOTrainer
 from trl.rewards import get_soft_overlong_punishment
 from trl.trainer.utils import RepeatSampler
@@ -30,8 +28,6 @@ from trl_ppo_variants.trainers.dapo import (
     prompts_to_generate,
     update_keep_rate,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -690,28 +686,21 @@ def test_dapo_with_dynamic_sampling_improves_mean_reward(tmp_path, toy_model_dir
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-def _launch(port, *script_args, timeout=420):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [str(ROOT / ".venv/bin/accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--main_process_port", str(port), str(ROOT / "tests/scripts/dapo_2proc.py"),
-           *script_args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc.stdout
+def _launch(mode, model_dir, out_dir):
+    accelerate_launch("dapo_2proc.py", "--mode", mode, "--model", model_dir, "--out", out_dir, timeout=420,
+                      marker=f"DAPO-2PROC-OK {mode}")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_processes_uneven_drops_split_groups(tmp_path, toy_model_dir):
-    out = _launch(29631, "--mode", "uneven", "--model", toy_model_dir, "--out", str(tmp_path))
-    assert "DAPO-2PROC-OK uneven" in out
+    _launch("uneven", toy_model_dir, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_two_processes_exhaustion(tmp_path, toy_model_dir):
-    out = _launch(29633, "--mode", "exhaust", "--model", toy_model_dir, "--out", str(tmp_path))
-    assert "DAPO-2PROC-OK exhaust" in out
+    _launch("exhaust", toy_model_dir, tmp_path)
 
 
 @pytest.mark.slow
@@ -719,5 +708,4 @@ def test_two_processes_exhaustion(tmp_path, toy_model_dir):
 def test_two_processes_speed_screening_with_greso(tmp_path, toy_model_dir):
     """GRPO with SPEED + GRESO on 2 processes: identical decisions on both, no hang although every screening held by
     process 1 alone is rejected, full batches of whole groups (see tests/scripts/dapo_2proc.py --mode speed)."""
-    out = _launch(29635, "--mode", "speed", "--model", toy_model_dir, "--out", str(tmp_path))
-    assert "DAPO-2PROC-OK speed" in out
+    _launch("speed", toy_model_dir, tmp_path)

@@ -100,13 +100,12 @@ def test_demo_generates_with_transformers_on_cpu_whether_vllm_is_installed_or_no
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_demo_one_step_on_the_real_model(tmp_path, capsys, smollm2_dir):
-    import os
-
     import torch
+    from conftest import worker_cores
 
     out = tmp_path / "demo"
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # one process on a 135M model: every core (the suite's default is 1)
+    torch.set_num_threads(worker_cores())  # one process on a 135M model: every core it has (the suite's default is 1)
     try:
         code = demo.main(["--algo", "rloo", "--steps", "1", "--eval_prompts", "4", "--eval_samples", "1",
                           "--output_dir", str(out), "--save_models"])

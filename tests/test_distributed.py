@@ -1,17 +1,14 @@
 """`distributed.finish`: the exit status of a run is its own, atexit handlers run and buffered output is flushed,
 in one process, in the teardown-free exit path and in two processes (gloo, CPU).
-Script: tests/scripts/finish_two_process.py."""
+Script: tests/scripts/finish_2proc.py."""
 
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PORT = 29691  # this test's port (other tests' ranges must not overlap)
+from launcher import accelerate_launch
 
 
 def _buffered_env(**extra):
@@ -40,12 +37,9 @@ def test_exit_status_atexit_and_flushed_output_in_one_process(tmp_path, call, wo
 
 
 def _launch(out_dir, code):
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--main_process_port", str(PORT),
-           str(ROOT / "tests" / "scripts" / "finish_two_process.py"), str(out_dir), str(code)]
-    env = _buffered_env(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """Both processes end with `finish(code)`; stdout stays block-buffered (PYTHONUNBUFFERED unset)."""
+    return accelerate_launch("finish_2proc.py", out_dir, code, timeout=300, check=code == 0,
+                             unset=("PYTHONUNBUFFERED",))
 
 
 @pytest.mark.slow

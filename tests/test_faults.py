@@ -9,18 +9,19 @@ import time
 
 import pytest
 import torch
+from launcher import SCRIPTS, accelerate_launch, launch_env
 from reliability_helpers import make_trainer, modules_state
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_ppo_variants import checkpointing
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "reliability_slow_save.py")
+SCRIPT = str(SCRIPTS / "reliability_slow_save.py")
 
 
 @pytest.mark.timeout(400)
 def test_sigkill_during_checkpoint_write_resumes_from_last_complete(toy_model_dir, tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, RELIABILITY_SLOW_SAVE_AT="4", OMP_NUM_THREADS="1")
+    env = launch_env(RELIABILITY_SLOW_SAVE_AT="4")  # one process, the launched scripts' environment
     proc = subprocess.Popen(
         [sys.executable, SCRIPT, "--model", toy_model_dir, "--output-dir", str(out), "--max-steps", "6",
          "--save-steps", "2"],
@@ -136,21 +137,13 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- 2 processes
-TWO_PROCESS_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "reliability_two_process.py")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_processes_stay_in_step(toy_model_dir, tmp_path):
     """Length limit hit on process 0 only (its rows all masked by mask_truncated_completions), for every trainer:
     no hang, same row counts, finite losses, identical weights on both processes; then a reward function raising on
     process 1 only: both processes stop with a one-line error instead of one of them hanging in the gather."""
-    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    cmd = [accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-           "no", "--main_process_port", "29703", TWO_PROCESS_SCRIPT, toy_model_dir, str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    accelerate_launch("reliability_2proc.py", toy_model_dir, tmp_path, timeout=840)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["length_limit"].keys() == results[1]["length_limit"].keys()
     for name, res in results[0]["length_limit"].items():

@@ -5,16 +5,14 @@ fallback. The 2-process run with split groups is tests/scripts/sampling_logps_2p
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import perturb, toy_args
+from launcher import accelerate_launch
 from trl import GRPOTrainer
 
 from trl_ppo_variants import generation, rollout
@@ -473,14 +471,7 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
     """Per-device batch 6, G = 4 (a group spans the two processes): on each process the recorded log-probs equal the
     forward's, and the global advantages with them equal those of the forward fallback (RLOO, REINFORCE++). Then a
     GPT-2 whose rows are left-padded on process 0 only: both processes take the forward pass (one decision)."""
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--main_process_port", "29651",
-           str(ROOT / "tests" / "scripts" / "sampling_logps_2proc.py"), toy_model_dir, str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0 and "SAMPLING-LOGPS-2PROC-OK" in proc.stdout, (
-        f"rc={proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}")
+    accelerate_launch("sampling_logps_2proc.py", toy_model_dir, tmp_path, marker="SAMPLING-LOGPS-2PROC-OK")
 
 
 # ------------------------------------------------------------------------------------------------ the bound

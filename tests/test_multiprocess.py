@@ -1,44 +1,23 @@
 """Two processes on CPU (gloo) with groups split across ranks: REINFORCE++ and RLOO complete, the ranks agree on
 the global advantages and end with identical weights, and the advantages are the pure functions' on the gathered
-rewards, masks and KL (script: tests/scripts/mp_foundation.py). One sample per prompt: REINFORCE++ and ReMax with
+rewards, masks and KL (script: tests/scripts/advantages_2proc.py). One sample per prompt: REINFORCE++ and ReMax with
 `num_generations=1` train and evaluate, with each optimizer step normalised by its own tokens summed over the
-processes (script: tests/scripts/one_sample_two_process.py)."""
+processes (script: tests/scripts/one_sample_2proc.py)."""
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from launcher import accelerate_launch
 
 from trl_ppo_variants.advantages import reinforce_pp_advantages, rloo_advantages
-
-ROOT = Path(__file__).resolve().parents[1]
-PORT = 29611  # this test's port (helpers' ranges must not overlap)
-ONE_SAMPLE_PORT = 29615
-
-
-def launch(model_dir, out_dir, script="mp_foundation.py", port=PORT, marker="MP-FOUNDATION-OK"):
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [
-        str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-        "--mixed_precision", "no", "--main_process_port", str(port),
-        str(ROOT / "tests" / "scripts" / script), model_dir, str(out_dir),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0 and marker in proc.stdout, (
-        f"2-process run failed (rc={proc.returncode})\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
-    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_split_groups(toy_model_dir, tmp_path):
-    launch(toy_model_dir, tmp_path)
+    accelerate_launch("advantages_2proc.py", toy_model_dir, tmp_path, marker="ADVANTAGES-2PROC-OK")
     for algo in ("reinforce_pp", "rloo"):
         ranks = [torch.load(tmp_path / f"{algo}_rank{r}.pt", weights_only=False) for r in range(2)]
         assert [r["world_size"] for r in ranks] == [2, 2], algo
@@ -73,7 +52,7 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_processes_one_sample_per_prompt(toy_model_dir, tmp_path):
-    launch(toy_model_dir, tmp_path, "one_sample_two_process.py", ONE_SAMPLE_PORT, "ONE-SAMPLE-OK")
+    accelerate_launch("one_sample_2proc.py", toy_model_dir, tmp_path, marker="ONE-SAMPLE-2PROC-OK")
     for algo in ("reinforce_pp", "remax"):
         ranks = [json.loads((tmp_path / f"{algo}_rank{r}.json").read_text()) for r in range(2)]
         assert [r["world_size"] for r in ranks] == [2, 2] and [r["global_step"] for r in ranks] == [4, 4], algo

@@ -4,22 +4,17 @@ reward model as the step source; the one-line errors; slow: the learning test on
 reward against the exact-answer outcome reward, same trainer and budget) and a 2-process run with split groups."""
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import toy_args
+from launcher import accelerate_launch
 
 from trl_ppo_variants.advantages import grpo_advantages, grpo_process_advantages, normalize_then_sum_advantages
 from trl_ppo_variants.process import ProcessRewardModel, split_steps, step_end_tokens
 from trl_ppo_variants.toy import addition_dataset, addition_reward, make_toy_prm
 from trl_ppo_variants.trainers.process_grpo import ProcessGRPOConfig, ProcessGRPOTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
-PORT = 29641  # this test's port (helpers' ranges must not overlap)
 SEP = "1"  # a separator the toy model emits at temperature 2 (its tokenizer has no newline pairs)
 
 
@@ -276,15 +271,9 @@ def test_process_supervision_beats_the_outcome_reward_on_the_same_budget(digits_
 def test_two_processes_split_groups(toy_model_dir, tmp_path):
     """Per-device batch 6, G = 4: the middle group straddles the ranks. Both ranks compute the same advantages, equal
     to the pure function on step rewards and ends recomputed in one process from every completion; the ranks pad
-    their step lists to the same width; the weights end identical. Script: tests/scripts/process_grpo_two_process.py.
+    their step lists to the same width; the weights end identical. Script: tests/scripts/process_grpo_2proc.py.
     """
-    accelerate = Path(sys.executable).with_name("accelerate")
-    cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--main_process_port", str(PORT),
-           str(ROOT / "tests" / "scripts" / "process_grpo_two_process.py"), toy_model_dir, str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, f"STDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+    accelerate_launch("process_grpo_2proc.py", toy_model_dir, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["global_step"] for r in ranks] == [3, 3]
     torch.testing.assert_close(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=0)

@@ -17,6 +17,7 @@ import math
 
 import pytest
 import torch
+from conftest import worker_cores
 
 from trl_ppo_variants.algorithms import REGISTRY
 from trl_ppo_variants.cli import load_algorithm
@@ -27,12 +28,11 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(autouse=True)
 def _all_cores():
-    """These tests run one process at a time on a 135M model: its matmuls use every core (the suite's default of one
-    thread suits the tiny model and the multi-process tests), and the suite's default comes back afterwards."""
-    import os
-
+    """These tests run one process on a 135M model: its matmuls use every core this test worker has (the suite's
+    default of one thread suits the tiny model and the multi-process tests), and the suite's default comes back
+    afterwards."""
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(os.cpu_count() or 1, 8)))
+    torch.set_num_threads(min(worker_cores(), 8))
     yield
     torch.set_num_threads(before)
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import worker_cores
+from launcher import accelerate_launch
 
 from trl_ppo_variants import cli
 from trl_ppo_variants.algorithms import ALGORITHMS
@@ -316,38 +318,33 @@ def test_vlm_recipe_runs_two_steps_on_cpu(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-def _accelerate_launch(config, port, cli_args, env=None):
+def _accelerate_launch(config, cli_args):
     """`accelerate launch` of the CLI with a recipe's accelerate config on 2 CPU processes; returns stdout."""
-    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [str(ROOT / ".venv/bin/accelerate"), "launch", "--config_file", str(ACCELERATE / f"{config}.yaml"),
-           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(port),
-           *(["--multi_gpu"] if config == "multi_gpu" else []), "-m", "trl_ppo_variants", *cli_args]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
-    return proc.stdout
+    return accelerate_launch("trl_ppo_variants", *cli_args, module=True,
+                             config_file=ACCELERATE / f"{config}.yaml").stdout
 
 
-def _launch(config, port, algo, model_dir, data, out, extra=()):
-    return _accelerate_launch(config, port, [algo, "--config", str(RECIPES / f"{algo}.yaml"),
-                                             *tiny_overrides(algo, model_dir, data, out),
-                                             "--per_device_train_batch_size", "4", *extra])
+def _launch(config, algo, model_dir, data, out, extra=()):
+    return _accelerate_launch(config, [algo, "--config", str(RECIPES / f"{algo}.yaml"),
+                                       *tiny_overrides(algo, model_dir, data, out),
+                                       "--per_device_train_batch_size", "4", *extra])
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config,port,algo,expect", [
-    ("multi_gpu", 29680, "rloo", "2 processes on cpu (DDP)"),
-    ("zero2", 29681, "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
-    ("zero3", 29682, "reinforce_pp", "2 processes on cpu (DeepSpeed ZeRO-3)"),
+@pytest.mark.parametrize("config,algo,expect", [
+    ("multi_gpu", "rloo", "2 processes on cpu (DDP)"),
+    ("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
+    ("zero3", "reinforce_pp", "2 processes on cpu (DeepSpeed ZeRO-3)"),
 ])
-def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, port, algo, expect):
+def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, algo, expect):
     """The CLI runs unchanged under `accelerate launch` with the recipes' own accelerate configs (only the process
     count and mixed precision overridden for CPU): 2 gloo processes, DeepSpeed ZeRO-2/3 on CPU."""
     _require(algo)
     data = tmp_path / "toy.jsonl"
     toy_dataset.select(range(64)).to_json(str(data))
     out = tmp_path / "out"
-    stdout = _launch(config, port, algo, toy_model_dir, str(data), str(out))
+    stdout = _launch(config, algo, toy_model_dir, str(data), str(out))
     assert f"trained {algo} for 2 steps on {expect}" in stdout
     assert stdout.count(f"trained {algo} for 2 steps") == 1  # printed by the main process only
     card = (out / "README.md").read_text()
@@ -373,9 +370,9 @@ def _offline_cli(tmp_path, *extra):
     return ["--config", str(OFFLINE), "--output_dir", str(tmp_path / "out"), "--max_steps", "2", *extra]
 
 
-def _offline_env(threads: int = 1):
-    # the checkpoint is already in the cache (fixture smollm2_dir): the launched processes only read it. One thread
-    # per process when 2 share the cores; a single process gets them all
+def _offline_env(threads: int):
+    # the checkpoint is already in the cache (fixture smollm2_dir): the run only reads it. A single process gets every
+    # core of this test worker (the launched ones: one thread each, tests/launcher.py)
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": str(ROOT)}
 
@@ -387,7 +384,7 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
     the real model from the cache, the built-in task, the built-in reward; the trained model is saved."""
     exe = Path(sys.executable).with_name("trl-ppo-variants")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "trl_ppo_variants"]
-    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(os.cpu_count() or 1), cwd=ROOT,
+    proc = subprocess.run([*cmd, "rloo", *_offline_cli(tmp_path)], env=_offline_env(worker_cores()), cwd=ROOT,
                           capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     assert "trained rloo for 2 steps on 1 process on cpu;" in proc.stdout
@@ -399,15 +396,15 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("config,port,algo,expect", [
-    ("multi_gpu", 29683, "rloo", "2 processes on cpu (DDP)"),
-    ("zero2", 29684, "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
+@pytest.mark.parametrize("config,algo,expect", [
+    ("multi_gpu", "rloo", "2 processes on cpu (DDP)"),
+    ("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
 ])
-def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, port, algo, expect):
+def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, algo, expect):
     """The offline recipe on 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-2, with the recipes' accelerate configs
     (process count and mixed precision overridden for CPU) and a smaller batch per process."""
-    stdout = _accelerate_launch(config, port, [algo, *_offline_cli(tmp_path, "--per_device_train_batch_size", "8",
-                                                                   "--max_completion_length", "12")], _offline_env())
+    stdout = _accelerate_launch(config, [algo, *_offline_cli(tmp_path, "--per_device_train_batch_size", "8",
+                                                             "--max_completion_length", "12")])
     assert f"trained {algo} for 2 steps on {expect}" in stdout
     assert stdout.count(f"trained {algo} for 2 steps") == 1
     card = (tmp_path / "out" / "README.md").read_text()

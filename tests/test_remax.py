@@ -1,20 +1,16 @@
 """ReMax (arXiv 2310.10505): greedy rows, baseline, logging, tool turns, vLLM request, learning, 2 processes."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import assert_finite_logs, logged_rewards, quarter_means, toy_args
+from launcher import accelerate_launch
 
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers import remax
 from trl_ppo_variants.trainers.remax import ReMaxConfig, ReMaxTrainer, _ArgmaxOnLastRows, owned_group_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 G = 4
 
 
@@ -271,12 +267,7 @@ LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 50, 1e-3, 0, 0.1
 def test_two_processes_split_groups(tmp_path, toy_model_dir):
     """2 ranks x 6 rows, G = 4: the middle group is split. Baselines equal a single-process greedy computation of
     every group's prompt, advantages are r - b_p, and both ranks end with identical weights."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", "29621",
-           str(ROOT / "tests" / "scripts" / "remax_two_process.py"), toy_model_dir, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    accelerate_launch("remax_2proc.py", toy_model_dir, tmp_path, timeout=280)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
         assert rank["steps"] == 2

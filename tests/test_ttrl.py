@@ -3,20 +3,16 @@
 
 import json
 import math
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import toy_args
+from launcher import accelerate_launch
 
 from trl_ppo_variants import rewards as R
 from trl_ppo_variants.advantages import grpo_advantages
 from trl_ppo_variants.toy import addition_dataset, addition_examples, make_toy_checkpoint
 from trl_ppo_variants.trainers.ttrl import TTRLConfig, TTRLTrainer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def no_answer(completion):
@@ -231,12 +227,7 @@ def test_two_processes_vote_on_whole_groups(tmp_path, toy_model_dir):
     single-process `majority_vote_rewards` over all completions, in steps where voting per rank would have given
     other rewards; each rank trains on 3 rows (6 * 2/4), the split group's kept rows still form one GRPO group, and
     both ranks end with identical weights."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(ROOT / ".venv/bin/accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--main_process_port", "29660", str(ROOT / "tests/scripts/ttrl_2proc.py"),
-           toy_model_dir, str(tmp_path)]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=380)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    accelerate_launch("ttrl_2proc.py", toy_model_dir, tmp_path, timeout=380)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["fingerprint"] == ranks[1]["fingerprint"]
     assert len(ranks[0]["records"]) == 3

@@ -2,14 +2,11 @@
 the positive-example LM loss, PEFT/LoRA, learning, and 2-process runs under DDP, DeepSpeed ZeRO-2 and ZeRO-3."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import logged_rewards, quarter_means, toy_args
+from launcher import ROOT, accelerate_launch
 from safetensors import safe_open
 from transformers import TrainerCallback
 
@@ -18,7 +15,6 @@ from trl_ppo_variants.critic import critic_values, is_critic_key
 from trl_ppo_variants.toy import addition_reward
 from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
 G = 4
 
 
@@ -355,35 +351,30 @@ def test_vapo_learns(tmp_path, toy_model_dir, critic_backbone):
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-DDP = ["--multi_gpu", "--num_machines", "1", "--mixed_precision", "no"]
-ZERO2 = ["--config_file", str(ROOT / "tests" / "configs" / "critic_zero2.yaml")]
-ZERO3 = ["--config_file", str(ROOT / "tests" / "configs" / "critic_zero3.yaml")]
+DDP = None  # accelerate launch --multi_gpu
+ZERO2 = ROOT / "tests" / "configs" / "critic_zero2.yaml"
+ZERO3 = ROOT / "tests" / "configs" / "critic_zero3.yaml"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend, launch, port, critic", [
-    ("ddp", DDP, 29643, "full"),
-    ("zero2", ZERO2, 29644, "full"),
-    ("zero3", ZERO3, 29645, "full"),
-    ("ddp", DDP, 29646, "lora"),
-    ("zero2", ZERO2, 29647, "lora"),
-    ("zero3", ZERO3, 29648, "lora"),
-    ("ddp", DDP, 29649, "lora-reference"),
-    ("zero2", ZERO2, 29650, "lora-reference"),
-    ("ddp", DDP, 29651, "lora-peft"),
-    ("zero2", ZERO2, 29652, "lora-peft"),
+@pytest.mark.parametrize("backend, config_file, critic", [
+    ("ddp", DDP, "full"),
+    ("zero2", ZERO2, "full"),
+    ("zero3", ZERO3, "full"),
+    ("ddp", DDP, "lora"),
+    ("zero2", ZERO2, "lora"),
+    ("zero3", ZERO3, "lora"),
+    ("ddp", DDP, "lora-reference"),
+    ("zero2", ZERO2, "lora-reference"),
+    ("ddp", DDP, "lora-peft"),
+    ("zero2", ZERO2, "lora-peft"),
 ])
-def test_two_processes(tmp_path, toy_model_dir, backend, launch, port, critic):
+def test_two_processes(tmp_path, toy_model_dir, backend, config_file, critic):
     """3 steps (1 of value pre-training) on 2 CPU processes: finite losses, identical weights on both ranks at every
     step, the policy untouched by pre-training, a checkpoint holding the critic, an export without it. LoRA critics:
     over a frozen copy, the reference model's weights (which never move) or the LoRA policy's base (a second adapter)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", *launch, "--num_processes", "2",
-           "--main_process_port", str(port), str(ROOT / "tests" / "scripts" / "critic_two_process.py"),
-           toy_model_dir, str(tmp_path), critic]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=230)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    accelerate_launch("critic_2proc.py", toy_model_dir, tmp_path, critic, config_file=config_file, timeout=230)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["deepspeed_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[backend]

@@ -26,22 +26,17 @@ Prints "DAPO-2PROC-OK <mode>" on the main process when every check passed.
 
 import argparse
 import os
-import re
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import torch
+from _common import flat_weights, main_then_finish, toy_args
+from accelerate.utils import gather_object
+from conftest import addition_answer
 
-torch.set_num_threads(1)
-
-from accelerate.utils import gather_object  # noqa: E402
-
-from trl_ppo_variants import selection  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.dapo import DAPOConfig, DAPOTrainer  # noqa: E402
-from trl_ppo_variants.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl_ppo_variants import selection
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.dapo import DAPOConfig, DAPOTrainer
+from trl_ppo_variants.trainers.grpo import GRPOConfig, GRPOTrainer
 
 
 def zero_prompts_always_right(completions, prompts, answer, **kwargs):
@@ -59,11 +54,6 @@ def constant_on_process_1(completions, prompts, answer, **kwargs):
     return [1.0] * len(real) if int(os.environ.get("RANK", "0")) == 1 else real
 
 
-def answer_of(prompt_text):
-    a, b = re.match(r"(\d)\+(\d)=", prompt_text).groups()
-    return str(int(a) + int(b))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", choices=["uneven", "exhaust", "speed"], required=True)
@@ -71,24 +61,24 @@ def main():
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
 
-    common = dict(output_dir=os.path.join(opts.out, opts.mode), max_completion_length=4, learning_rate=1e-3,
-                  use_cpu=True,
-                  logging_steps=1, report_to=[], seed=0, save_strategy="no", disable_tqdm=True, beta=0.0)
+    common = dict(output_dir=os.path.join(opts.out, opts.mode))
     if opts.mode == "uneven":
         G = 4
-        args = DAPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
-                          num_iterations=2, max_steps=6, max_generation_rounds=8, keep_rate_init=0.6, **common)
+        args = toy_args(DAPOConfig, opts.out, per_device_train_batch_size=3, num_generations=G,
+                        gradient_accumulation_steps=2, num_iterations=2, max_steps=6, max_generation_rounds=8,
+                        keep_rate_init=0.6, **common)
         reward = zero_prompts_always_right
     elif opts.mode == "speed":
         G = 4
-        args = GRPOConfig(per_device_train_batch_size=3, num_generations=G, gradient_accumulation_steps=2,
-                          max_steps=6, max_generation_rounds=8, prompt_selection="speed+greso",
-                          screening_num_generations=2, **common)
+        args = toy_args(GRPOConfig, opts.out, per_device_train_batch_size=3, num_generations=G,
+                        gradient_accumulation_steps=2, max_steps=6, max_generation_rounds=8,
+                        prompt_selection="speed+greso", screening_num_generations=2, **common)
         reward = constant_on_process_1
     else:
         G = 2
-        args = DAPOConfig(per_device_train_batch_size=2, num_generations=G, gradient_accumulation_steps=2,
-                          max_steps=4, max_generation_rounds=2, refill_num_prompts=1, **common)
+        args = toy_args(DAPOConfig, opts.out, per_device_train_batch_size=2, num_generations=G,
+                        gradient_accumulation_steps=2, max_steps=4, max_generation_rounds=2, refill_num_prompts=1,
+                        **common)
         reward = mostly_constant
 
     # record every round's spread mask (the same global decision on both processes)
@@ -151,7 +141,7 @@ def main():
             if counts[0] != local_gen:
                 problems.append(f"step {i}: {counts[0]} local rows, expected the full {local_gen}")
             if opts.mode == "uneven":  # (speed: the reward depends on the process a row was scored on)
-                rewards = torch.tensor(reward(completions, prompts, [answer_of(p) for p in prompts])).view(-1, G)
+                rewards = torch.tensor(reward(completions, prompts, [addition_answer(p) for p in prompts])).view(-1, G)
                 if not (rewards.std(dim=1) > 0).all():
                     problems.append(f"step {i}: a trained group has no reward spread: {rewards.tolist()}")
             if not (advantages.view(-1, G).abs().sum(dim=1) > 0).all():
@@ -198,8 +188,7 @@ def main():
             problems.append("no step was exhausted")
 
     # identical weights on both processes
-    flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
-    both = acc.gather(flat.unsqueeze(0))
+    both = acc.gather(flat_weights(trainer).unsqueeze(0))
     if not torch.equal(both[0], both[1]):
         problems.append(f"weights differ across processes (max diff {(both[0] - both[1]).abs().max().item()})")
 
@@ -215,7 +204,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

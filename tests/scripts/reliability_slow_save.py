@@ -7,18 +7,12 @@ writes `<output_dir>/SAVING` and sleeps, so that the test can SIGKILL it mid-che
 
 import argparse
 import os
-import sys
 import time
 
-import torch
+from _common import toy_args
 
-torch.set_num_threads(1)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from conftest import toy_args  # noqa: E402
-
-from trl_ppo_variants import RLOOConfig, RLOOTrainer  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
+from trl_ppo_variants import RLOOConfig, RLOOTrainer
+from trl_ppo_variants.toy import addition_dataset, addition_reward
 
 
 def main():

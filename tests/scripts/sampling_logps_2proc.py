@@ -18,20 +18,15 @@ Prints "SAMPLING-LOGPS-2PROC-OK" on the main process when every check passed.
 import os
 import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+from _common import SPLIT_GROUPS, main_then_finish, model_and_out_dirs, toy_args
+from accelerate.utils import gather_object
+from trl import GRPOTrainer
 
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-from accelerate.utils import gather_object  # noqa: E402
-from trl import GRPOTrainer  # noqa: E402
-
-from trl_ppo_variants import rollout  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward, make_learned_position_checkpoint  # noqa: E402
-from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer  # noqa: E402
-from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_ppo_variants import rollout
+from trl_ppo_variants.toy import addition_dataset, addition_reward, make_learned_position_checkpoint
+from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
+from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
 def probing(trainer_cls):
@@ -65,11 +60,10 @@ def probing(trainer_cls):
 
 
 def run(name, trainer_cls, config_cls, model_dir, out_dir, source, dataset=None, **overrides):
-    args = config_cls(
-        output_dir=os.path.join(out_dir, f"{name}_{source}"), per_device_train_batch_size=6, num_generations=4,
-        max_completion_length=8, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
-        save_strategy="no", disable_tqdm=True, use_cpu=True, bf16=False, repetition_penalty=1.3, temperature=0.8,
-        sampling_logps_source=source, **overrides,
+    args = toy_args(
+        config_cls, out_dir, output_dir=os.path.join(out_dir, f"{name}_{source}"), **SPLIT_GROUPS,
+        max_completion_length=8, bf16=False, repetition_penalty=1.3, temperature=0.8, sampling_logps_source=source,
+        **overrides,
     )
     trainer = probing(trainer_cls)(model_dir, addition_reward, args=args,
                                    train_dataset=dataset if dataset is not None else addition_dataset(256))
@@ -91,7 +85,7 @@ def run(name, trainer_cls, config_cls, model_dir, out_dir, source, dataset=None,
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    model_dir, out_dir = model_and_out_dirs()
     problems = []
     cases = [("rloo", RLOOTrainer, RLOOConfig, {"beta": 0.05}),
              ("reinforce_pp", ReinforcePPTrainer, ReinforcePPConfig, {"beta": None, "kl_in_reward_coef": 0.05})]
@@ -156,7 +150,4 @@ def learned_positions_on_one_rank(out_dir):
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

@@ -9,17 +9,12 @@ of the final weights. The test recomputes the rewards in one process from the co
 
 import json
 import os
-import sys
 
-import torch
+from _common import main_then_finish, model_and_out_dirs, toy_args, weight_sums
+from accelerate.utils import gather_object
 
-torch.set_num_threads(1)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from accelerate.utils import gather_object  # noqa: E402
-
-from trl_ppo_variants.toy import addition_dataset  # noqa: E402
-from trl_ppo_variants.trainers.ttrl import TTRLConfig, TTRLTrainer  # noqa: E402
+from trl_ppo_variants.toy import addition_dataset
+from trl_ppo_variants.trainers.ttrl import TTRLConfig, TTRLTrainer
 
 
 class Probe(TTRLTrainer):
@@ -44,25 +39,16 @@ class Probe(TTRLTrainer):
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    args = TTRLConfig(
-        output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=6, n_votes=4, n_train=2,
-        train_subset="random", answer_extractor="last_number", max_completion_length=4, max_steps=3,
-        temperature=2.0, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0, save_strategy="no",
-        disable_tqdm=True, beta=0.0, use_cpu=True,
-    )
+    model_dir, out_dir = model_and_out_dirs()
+    args = toy_args(TTRLConfig, out_dir, per_device_train_batch_size=6, n_votes=4, n_train=2, train_subset="random",
+                    answer_extractor="last_number", max_steps=3, temperature=2.0)
     trainer = Probe(model_dir, args=args, train_dataset=addition_dataset(64, seed=0))
     trainer.train()
     rank = trainer.accelerator.process_index
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    fingerprint = [round(p.detach().double().sum().item(), 10) for p in model.parameters()]
     logs = [h for h in trainer.state.log_history if "ttrl/votes/majority_ratio" in h]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"records": trainer.records, "fingerprint": fingerprint, "logs": logs}, f)
+        json.dump({"records": trainer.records, "fingerprint": weight_sums(trainer), "logs": logs}, f)
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

@@ -1,7 +1,7 @@
 """2-process runs of REINFORCE++ (token-level advantages, KL in the reward) and RLOO (KL in the reward), launched by
 tests/test_multiprocess.py with `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU).
 
-Usage: mp_foundation.py MODEL_DIR OUT_DIR
+Usage: advantages_2proc.py MODEL_DIR OUT_DIR
 
 G = 4 with 6 rows per process: the 12 rows of a generation batch hold 3 groups and the middle one is split across
 the two processes. Each rank writes OUT_DIR/{algo}_rank{r}.pt with, for every generation step, the global rewards,
@@ -10,18 +10,13 @@ plus its final weights and the number of optimizer steps. The test compares the 
 """
 
 import os
-import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+from _common import SPLIT_GROUPS, flat_weights, main_then_finish, model_and_out_dirs, toy_args
 
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer  # noqa: E402
-from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer  # noqa: E402
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
+from trl_ppo_variants.trainers.rloo import RLOOConfig, RLOOTrainer
 
 
 def recording(trainer_cls):
@@ -49,33 +44,18 @@ def recording(trainer_cls):
 
 
 def run(name, trainer_cls, config_cls, model_dir, out_dir, **overrides):
-    args = config_cls(
-        output_dir=os.path.join(out_dir, name),
-        per_device_train_batch_size=6,
-        num_generations=4,
-        max_completion_length=4,
-        max_steps=3,
-        learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        seed=0,
-        save_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,  # with the launcher's 2 processes: DDP over gloo on CPU
-        **overrides,
-    )
+    args = toy_args(config_cls, out_dir, output_dir=os.path.join(out_dir, name), **SPLIT_GROUPS, max_steps=3,
+                    **overrides)
     trainer = recording(trainer_cls)(model_dir, addition_reward, args=args, train_dataset=addition_dataset(256))
     trainer.records = []
     trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
     rank = trainer.accelerator.process_index
     torch.save(
         {
             "world_size": trainer.accelerator.num_processes,
             "global_step": trainer.state.global_step,
             "records": trainer.records,
-            "weights": weights,
+            "weights": flat_weights(trainer),
         },
         os.path.join(out_dir, f"{name}_rank{rank}.pt"),
     )
@@ -83,14 +63,11 @@ def run(name, trainer_cls, config_cls, model_dir, out_dir, **overrides):
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    run("reinforce_pp", ReinforcePPTrainer, ReinforcePPConfig, model_dir, out_dir, kl_in_reward_coef=0.05)
+    model_dir, out_dir = model_and_out_dirs()
+    run("reinforce_pp", ReinforcePPTrainer, ReinforcePPConfig, model_dir, out_dir, beta=None, kl_in_reward_coef=0.05)
     run("rloo", RLOOTrainer, RLOOConfig, model_dir, out_dir, beta=0.05)
-    print("MP-FOUNDATION-OK", flush=True)
+    print("ADVANTAGES-2PROC-OK", flush=True)
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

@@ -1,7 +1,7 @@
 """2-process VAPO run with the critic attached to the policy (DDP, DeepSpeed ZeRO-2 or ZeRO-3: the launcher decides).
 
 Usage: accelerate launch [--config_file tests/configs/critic_zero{2,3}.yaml | --multi_gpu] --num_processes 2 ...
-       critic_two_process.py MODEL_DIR OUT_DIR [full | lora | lora-reference | lora-peft]
+       critic_2proc.py MODEL_DIR OUT_DIR [full | lora | lora-reference | lora-peft]
 
 The critic: "full" (default), or a LoRA critic over a frozen copy ("lora": VAPO has no KL, so no reference model), over
 the reference model's weights ("lora-reference": a KL in the reward loads one) or as a second adapter of a LoRA policy
@@ -18,16 +18,12 @@ import json
 import os
 import sys
 
-import torch
+from _common import main_then_finish, model_and_out_dirs, toy_args
+from transformers import TrainerCallback
 
-torch.set_num_threads(1)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from transformers import TrainerCallback  # noqa: E402
-
-from trl_ppo_variants.critic import is_critic_key  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer  # noqa: E402
+from trl_ppo_variants.critic import is_critic_key
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.vapo import VAPOConfig, VAPOTrainer
 
 
 def fingerprints(trainer) -> dict:
@@ -72,7 +68,7 @@ class Record(TrainerCallback):
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
+    model_dir, out_dir = model_and_out_dirs()
     critic = sys.argv[3] if len(sys.argv) > 3 else "full"
     extra, kwargs = {}, {}
     if critic != "full":
@@ -83,12 +79,9 @@ def main():
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = VAPOConfig(
-        output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=4, max_steps=3, learning_rate=1e-3, critic_learning_rate=1e-3, weight_decay=0.1,
-        value_pretrain_steps=1, length_adaptive_alpha=1.0, logging_steps=1, report_to=[], seed=0,
-        save_strategy="steps", save_steps=3, disable_tqdm=True, beta=0.0, temperature=1.0, use_cpu=True, **extra,
-    )
+    args = toy_args(VAPOConfig, out_dir, per_device_train_batch_size=4, max_steps=3, critic_learning_rate=1e-3,
+                    weight_decay=0.1, value_pretrain_steps=1, length_adaptive_alpha=1.0, save_strategy="steps",
+                    save_steps=3, temperature=1.0, **extra)
     record = Record()
     trainer = VAPOTrainer(model_dir, addition_reward, args=args, train_dataset=addition_dataset(64),
                           callbacks=[record], **kwargs)
@@ -141,7 +134,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

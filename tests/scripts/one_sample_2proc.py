@@ -1,7 +1,7 @@
 """2-process runs of the trainers that accept one sample per prompt (REINFORCE++ and ReMax with `num_generations=1`,
 their papers' setting), launched by tests/test_multiprocess.py with `accelerate launch --multi_gpu --num_processes 2`.
 
-Usage: one_sample_two_process.py MODEL_DIR OUT_DIR
+Usage: one_sample_2proc.py MODEL_DIR OUT_DIR
 
 3 prompts per process and micro-batch (an odd count), and `steps_per_generation=2` without accumulation: each
 generation batch feeds two optimizer steps, so the token count that normalises each step
@@ -13,18 +13,12 @@ baselines), the log history and its final weights.
 
 import json
 import os
-import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import main_then_finish, model_and_out_dirs, toy_args, weight_sums
 
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer  # noqa: E402
-from trl_ppo_variants.trainers.remax import ReMaxConfig, ReMaxTrainer  # noqa: E402
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.reinforce_pp import ReinforcePPConfig, ReinforcePPTrainer
+from trl_ppo_variants.trainers.remax import ReMaxConfig, ReMaxTrainer
 
 
 def recording(trainer_cls):
@@ -49,37 +43,32 @@ def recording(trainer_cls):
 
 
 def run(name, trainer_cls, config_cls, model_dir, out_dir, **overrides):
-    args = config_cls(
-        output_dir=os.path.join(out_dir, name), per_device_train_batch_size=3, per_device_eval_batch_size=3,
-        num_generations=1, steps_per_generation=2, max_completion_length=4, max_steps=4, learning_rate=1e-3,
-        temperature=1.5, logging_steps=1, eval_strategy="steps", eval_steps=4, report_to=[], seed=0,
-        save_strategy="no", disable_tqdm=True, use_cpu=True, **overrides,
+    args = toy_args(
+        config_cls, out_dir, output_dir=os.path.join(out_dir, name), per_device_train_batch_size=3,
+        per_device_eval_batch_size=3, num_generations=1, steps_per_generation=2, max_steps=4, temperature=1.5,
+        eval_strategy="steps", eval_steps=4, **overrides,
     )
     trainer = recording(trainer_cls)(model_dir, addition_reward, args=args, train_dataset=addition_dataset(256),
                                      eval_dataset=addition_dataset(6, seed=1))
     trainer.records, trainer.micro_batches = [], []
     trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
     rank = trainer.accelerator.process_index
     with open(os.path.join(out_dir, f"{name}_rank{rank}.json"), "w") as f:
         json.dump({
             "world_size": trainer.accelerator.num_processes, "global_step": trainer.state.global_step,
             "records": trainer.records, "micro_batches": trainer.micro_batches,
             "log_history": trainer.state.log_history,
-            "weights": [round(p.detach().double().sum().item(), 10) for p in model.parameters()],
+            "weights": weight_sums(trainer),
         }, f)
     trainer.accelerator.wait_for_everyone()
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    run("reinforce_pp", ReinforcePPTrainer, ReinforcePPConfig, model_dir, out_dir, kl_in_reward_coef=0.05)
+    model_dir, out_dir = model_and_out_dirs()
+    run("reinforce_pp", ReinforcePPTrainer, ReinforcePPConfig, model_dir, out_dir, beta=None, kl_in_reward_coef=0.05)
     run("remax", ReMaxTrainer, ReMaxConfig, model_dir, out_dir)
-    print("ONE-SAMPLE-OK", flush=True)
+    print("ONE-SAMPLE-2PROC-OK", flush=True)
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

@@ -1,7 +1,7 @@
 """2-process run of ProcessGRPOTrainer with groups split across ranks, launched by
 tests/test_process_grpo.py::test_two_processes_split_groups (`accelerate launch --multi_gpu --num_processes 2`, gloo).
 
-Usage: process_grpo_two_process.py MODEL_DIR OUT_DIR
+Usage: process_grpo_2proc.py MODEL_DIR OUT_DIR
 
 G = 4 with 6 rows per process: the middle group of the 12 rows straddles the ranks. Each rank writes
 OUT_DIR/rank{r}.pt with, for every generation step: the global step rewards and step ends its `compute_advantages`
@@ -12,20 +12,14 @@ plus its final weights.
 
 import math
 import os
-import sys
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import torch
+from _common import SPLIT_GROUPS, flat_weights, main_then_finish, model_and_out_dirs, toy_args
+from accelerate.utils import gather_object
 
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
-
-from accelerate.utils import gather_object  # noqa: E402
-
-from trl_ppo_variants.process import split_steps, step_end_tokens  # noqa: E402
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.process_grpo import ProcessGRPOConfig, ProcessGRPOTrainer  # noqa: E402
+from trl_ppo_variants.process import split_steps, step_end_tokens
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.process_grpo import ProcessGRPOConfig, ProcessGRPOTrainer
 
 SEP = "1"
 
@@ -69,26 +63,19 @@ class Recording(ProcessGRPOTrainer):
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    args = ProcessGRPOConfig(
-        output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=6, num_generations=4,
-        max_completion_length=8, max_steps=3, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
-        save_strategy="no", disable_tqdm=True, beta=0.0, temperature=2.0, step_separator=SEP, use_cpu=True,
-    )
+    model_dir, out_dir = model_and_out_dirs()
+    args = toy_args(ProcessGRPOConfig, out_dir, **SPLIT_GROUPS, max_completion_length=8, max_steps=3,
+                    temperature=2.0, step_separator=SEP)
     trainer = Recording(model_dir, addition_reward, args=args, train_dataset=addition_dataset(256),
                         step_reward_funcs=[length_steps])
     trainer.records = []
     trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
     rank = trainer.accelerator.process_index
-    torch.save({"global_step": trainer.state.global_step, "records": trainer.records, "weights": weights},
+    torch.save({"global_step": trainer.state.global_step, "records": trainer.records,
+                "weights": flat_weights(trainer)},
                os.path.join(out_dir, f"rank{rank}.pt"))
     trainer.accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

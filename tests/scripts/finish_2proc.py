@@ -1,6 +1,6 @@
 """Launched by tests/test_distributed.py with `accelerate launch --multi_gpu --num_processes 2` (gloo, CPU).
 
-Usage: finish_two_process.py OUT_DIR CODE
+Usage: finish_2proc.py OUT_DIR CODE
 
 Each rank joins the process group, registers an atexit handler that writes OUT_DIR/atexit_rank{r}, prints a line
 (stdout is a pipe, so it sits in Python's buffer), and ends with `distributed.finish(CODE)`. With a non-zero CODE only

@@ -15,17 +15,10 @@ import os
 import sys
 
 import torch
+from _common import flat_weights, main_then_finish, model_and_out_dirs
+from reliability_helpers import available_specs, make_trainer
 
-torch.set_num_threads(1)
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from reliability_helpers import available_specs, make_trainer  # noqa: E402
-
-from trl_ppo_variants.toy import addition_reward  # noqa: E402
-
-
-def flat_weights(trainer):
-    return torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
+from trl_ppo_variants.toy import addition_reward
 
 
 def length_limit_on_one_rank(name, model_dir, out):
@@ -94,7 +87,7 @@ def raise_on_one_rank(model_dir, out):
 
 
 def main():
-    model_dir, out = sys.argv[1], sys.argv[2]
+    model_dir, out = model_and_out_dirs()
     names = sys.argv[3].split(",") if len(sys.argv) > 3 else [n for n in available_specs()
                                                                if n not in ("vapo_pretrain", "rloo_kl")]
     result = {"length_limit": {}}
@@ -107,7 +100,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)

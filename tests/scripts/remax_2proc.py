@@ -1,6 +1,6 @@
 """2-process ReMax run with groups split across ranks (per-device batch 6, G = 4: the middle group straddles the ranks).
 
-Usage: accelerate launch --multi_gpu --num_processes 2 ... remax_two_process.py MODEL_DIR OUT_DIR
+Usage: accelerate launch --multi_gpu --num_processes 2 ... remax_2proc.py MODEL_DIR OUT_DIR
 Each rank writes OUT_DIR/rank{r}.json: per step the baseline ReMax used, the baseline recomputed in one process
 (greedy `generate` of every group's prompt with the same weights, scored by the same reward), the advantages and
 the expected `r - b_p`, and a fingerprint of the final weights.
@@ -8,20 +8,14 @@ the expected `r - b_p`, and a fingerprint of the final weights.
 
 import json
 import os
-import sys
 
 import torch
+from _common import SPLIT_GROUPS, main_then_finish, model_and_out_dirs, toy_args, weight_sums
+from accelerate.utils import gather_object
+from transformers import AutoTokenizer
 
-torch.set_num_threads(1)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from accelerate.utils import gather_object  # noqa: E402
-from transformers import AutoTokenizer  # noqa: E402
-
-from trl_ppo_variants.toy import addition_dataset, addition_reward  # noqa: E402
-from trl_ppo_variants.trainers.remax import ReMaxConfig, ReMaxTrainer  # noqa: E402
-
-G = 4
+from trl_ppo_variants.toy import addition_dataset, addition_reward
+from trl_ppo_variants.trainers.remax import ReMaxConfig, ReMaxTrainer
 
 
 class Probe(ReMaxTrainer):
@@ -54,24 +48,15 @@ class Probe(ReMaxTrainer):
 
 
 def main():
-    model_dir, out_dir = sys.argv[1], sys.argv[2]
-    args = ReMaxConfig(
-        output_dir=os.path.join(out_dir, "out"), per_device_train_batch_size=6, num_generations=G,
-        max_completion_length=4, max_steps=2, learning_rate=1e-3, logging_steps=1, report_to=[], seed=0,
-        save_strategy="no", disable_tqdm=True, beta=0.0, temperature=1.5, use_cpu=True,
-    )
+    model_dir, out_dir = model_and_out_dirs()
+    args = toy_args(ReMaxConfig, out_dir, **SPLIT_GROUPS, temperature=1.5)
     trainer = Probe(model_dir, addition_reward, args=args, train_dataset=addition_dataset(64, seed=0),
                     processing_class=AutoTokenizer.from_pretrained(model_dir))
     trainer.train()
-    model = trainer.accelerator.unwrap_model(trainer.model)
-    weights = [round(p.detach().double().sum().item(), 10) for p in model.parameters()]
     rank = trainer.accelerator.process_index
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"steps": trainer.state.global_step, "records": Probe.records, "weights": weights}, f)
+        json.dump({"steps": trainer.state.global_step, "records": Probe.records, "weights": weight_sums(trainer)}, f)
 
 
 if __name__ == "__main__":
-    main()
-    from trl_ppo_variants.distributed import finish
-
-    finish(0)  # exit status 0 once every process is done, never a crash in interpreter teardown
+    main_then_finish(main)
