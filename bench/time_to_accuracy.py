@@ -839,6 +839,48 @@ def job_command(opts, seed: int, method: str) -> list[str]:
     return cmd
 
 
+def job_order(seeds: list[int], methods: list[str], order: str = "seed") -> list[tuple[int, str]]:
+    """The (seed, method) runs in the order they start: seed by seed (`"seed"`), or method by method (`"method"`:
+    every seed's reference, then every seed's next method, so that each method's table fills over seeds first)."""
+    if order == "seed":
+        return [(s, m) for s in seeds for m in methods]
+    if order == "method":
+        return [(s, m) for m in methods for s in seeds]
+    raise ValueError(f"--order: expected 'seed' or 'method', got {order!r}")
+
+
+def marker_path(out: str, seed: int, method: str) -> str:
+    """A running run's marker (its process id), so that another `run_seeds` on the folder adopts it, not reruns it."""
+    return result_path(out, seed, method)[:-len(".json")] + ".running"
+
+
+def live_pid(marker: str) -> int | None:
+    """The process id in `marker` if that process still runs, else None."""
+    try:
+        with open(marker) as f:
+            pid = int(f.read().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+class Adopted:
+    """A run started by an earlier `run_seeds` that still runs: polled by its process id (its exit status is not
+    ours to read: its result file says whether it succeeded)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode = None
+
+    def poll(self):
+        try:
+            os.kill(self.pid, 0)
+        except OSError:
+            self.returncode = 0
+        return self.returncode
+
+
 def next_job(pending: list[tuple[int, str]], running: list[tuple[int, str]], done) -> tuple[int, str] | None:
     """The first pending (seed, method) that can start: a reference at once, another method once its seed's
     reference is done (`done(seed)`) and not running."""
@@ -851,10 +893,16 @@ def next_job(pending: list[tuple[int, str]], running: list[tuple[int, str]], don
 def run_seeds(opts, methods: list[Method], seeds: list[int], progress=print) -> int:
     """Every (seed, method) without a result, `opts.jobs` processes at a time; the report after each."""
     os.makedirs(opts.out, exist_ok=True)
-    jobs = [(s, m.name) for s in seeds for m in methods]
+    jobs = job_order(seeds, [m.name for m in methods], opts.order)
     pending = [j for j in jobs if opts.force or not os.path.exists(result_path(opts.out, *j))]
     progress(f"time-to-accuracy: {len(jobs) - len(pending)} of {len(jobs)} runs already in {opts.out}")
     running: dict = {}
+    for job in list(pending):
+        pid = live_pid(marker_path(opts.out, *job))
+        if pid is not None:
+            pending.remove(job)
+            running[Adopted(pid)] = job
+            progress(f"time-to-accuracy: seed {job[0]} {job[1]} is running already (pid {pid}): adopted")
     failures = 0
     env = dict(os.environ, OMP_NUM_THREADS=str(opts.threads), MKL_NUM_THREADS=str(opts.threads),
                TOKENIZERS_PARALLELISM="false")
@@ -870,6 +918,8 @@ def run_seeds(opts, methods: list[Method], seeds: list[int], progress=print) -> 
             with open(log, "w") as handle:
                 proc = subprocess.Popen(job_command(opts, *job), stdout=handle, stderr=subprocess.STDOUT, env=env)
             running[proc] = job
+            with open(marker_path(opts.out, *job), "w") as f:
+                f.write(str(proc.pid))
             progress(f"time-to-accuracy: started seed {job[0]} {job[1]} (pid {proc.pid}, log {log})")
         if not running:
             progress(f"time-to-accuracy: {len(pending)} runs cannot start (their seed's reference failed): "
@@ -879,6 +929,8 @@ def run_seeds(opts, methods: list[Method], seeds: list[int], progress=print) -> 
         time.sleep(2)
         for proc in [p for p in running if p.poll() is not None]:
             seed, method = running.pop(proc)
+            if os.path.exists(marker_path(opts.out, seed, method)):
+                os.remove(marker_path(opts.out, seed, method))
             ok = proc.returncode == 0 and os.path.exists(result_path(opts.out, seed, method))
             failures += not ok
             progress(f"time-to-accuracy: seed {seed} {method} {'done' if ok else f'FAILED (rc {proc.returncode})'}")
@@ -1167,6 +1219,8 @@ def main(argv=None) -> int:
                         "results in --out/seed<s>/, the report in --out")
     parser.add_argument("--jobs", type=int, default=1, help="with --seeds: runs at a time")
     parser.add_argument("--force", action="store_true", help="with --seeds: rerun the runs already stored")
+    parser.add_argument("--order", choices=("seed", "method"), default="seed",
+                        help="with --seeds: start the runs seed by seed, or method by method")
     parser.add_argument("--report", metavar="DIR", default=None, help="only rebuild the multi-seed report of DIR")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # one (seed, method): run_seeds' child
     parser.add_argument("--out", default=None)

@@ -269,6 +269,28 @@ def test_variants_seeds_and_the_job_order():
     assert tta.next_job(pending[1:], [(0, "grpo")], lambda s: False) == (1, "grpo")  # dapo 0 waits for its grpo
     assert tta.next_job(pending[1:], [], lambda s: s == 0) == (0, "dapo")
     assert tta.next_job([(1, "dapo")], [], lambda s: s == 0) is None
+    assert tta.job_order([2, 0], ["grpo", "dapo"]) == [(2, "grpo"), (2, "dapo"), (0, "grpo"), (0, "dapo")]
+    assert tta.job_order([2, 0], ["grpo", "dapo"], "method") == [(2, "grpo"), (0, "grpo"), (2, "dapo"), (0, "dapo")]
+
+
+def test_a_running_run_is_adopted_not_restarted(tmp_path):
+    import subprocess
+
+    marker = tta.marker_path(str(tmp_path), 3, "dapo")
+    assert marker == str(tmp_path / "seed3" / "dapo.running")
+    os.makedirs(os.path.dirname(marker))
+    assert tta.live_pid(marker) is None  # no marker
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with open(marker, "w") as f:
+            f.write(str(proc.pid))
+        assert tta.live_pid(marker) == proc.pid
+        adopted = tta.Adopted(proc.pid)
+        assert adopted.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tta.live_pid(marker) is None and adopted.poll() == 0  # a stale marker: the run is pending again
 
 
 def test_the_multi_seed_report(tmp_path):
