@@ -28,14 +28,42 @@ def test_the_clock_leaves_evaluations_out():
     assert clock.now() == 15.0
 
 
-def test_eval_schedules():
-    # the reference: a step grid
-    assert [s for s in range(1, 21) if tta.eval_schedule(s, 0.0, every_steps=5)] == [5, 10, 15, 20]
-    # the others: the first step end past each multiple of budget / points
-    assert not tta.eval_schedule(3, 9.9, every_s=10.0, done=0)
-    assert tta.eval_schedule(4, 10.2, every_s=10.0, done=0)
-    assert not tta.eval_schedule(5, 15.0, every_s=10.0, done=1)
-    assert tta.eval_schedule(7, 31.0, every_s=10.0, done=1)  # a late step: one evaluation, then the grid goes on
+def test_the_work_clock_is_cpu_time_in_probe_units():
+    work = tta.WorkClock()
+    assert work.step(10.0, 0.5) == 20.0  # 10 s of CPU at a probe of 0.5 s
+    assert work.step(25.0, 0.5) == 50.0
+    assert work.step(40.0, 1.0) == 65.0  # the next 15 s ran at half the speed: half the work per second
+
+
+def test_the_probe_is_a_fixed_forward_that_leaves_the_model_as_it_was(toy_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    model.train()
+    probe = tta.SpeedProbe(model, vocab_size=50, rows=2, tokens=8)
+    state = torch.get_rng_state()
+    out = probe.measure()
+    assert out["probe_cpu_s"] > 0 and out["probe_wall_s"] > 0 and model.training
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(probe.ids, tta.SpeedProbe(model, vocab_size=50, rows=2, tokens=8).ids)
+
+
+def test_the_reference_evaluates_on_a_step_grid():
+    assert [s for s in range(1, 21) if tta.step_grid_due(s, 5)] == [5, 10, 15, 20]
+
+
+def test_the_others_evaluate_at_the_last_step_end_before_each_point_and_stop_nearest_the_budget():
+    points = tta.time_grid(100.0, 4)
+    assert points == [25.0, 50.0, 75.0, 100.0]
+    assert tta.grid_action(10.0, 10.0, points) == (0, False)
+    assert tta.grid_action(20.0, 10.0, points) == (1, False)  # the next step end (30) would pass 25
+    assert tta.grid_action(40.0, 10.0, points) == (1, False)  # the next one ends at 50, still at or before 50
+    assert tta.grid_action(50.0, 10.0, points) == (2, False)
+    assert tta.grid_action(94.0, 10.0, points) == (3, False)  # the next step end (104) is nearer the budget than 94
+    assert tta.grid_action(96.0, 10.0, points) == (4, True)   # 96 is nearer 100 than 106 is
+    assert tta.grid_action(56.0, 30.0, points) == (3, False)  # long steps: one evaluation stands for 25, 50 and 75
+    assert tta.grid_action(120.0, 10.0, points) == (4, True)
 
 
 def test_time_to_reach_is_the_first_evaluation_at_the_target():
@@ -122,11 +150,199 @@ def test_the_protocol_end_to_end_on_the_toy_model(tmp_path, toy_model_dir):
     ref, speed = saved["rows"]
     assert ref["steps"] == 2 and len(ref["curve"]) == 3  # before, step 1, step 2
     assert all(r["curve"][0] == [0.0, saved["before"]] for r in saved["rows"])
-    assert speed["curve"][-1][0] >= saved["budget_s"] or speed["steps"] == 6  # the budget, or 3x the steps
+    # it stops at the step end nearest the budget (within half a mean step), or at 3x the reference's steps
+    last = speed["curve"][-1][0]
+    assert last + last / speed["steps"] / 2 >= saved["budget_s"] or speed["steps"] == 6
     assert speed["gen_tokens"] > 0 and speed["gen_per_trained_token"] >= 1.0
+    # every step's log: the clocks, the counts, TRL's metrics; the curves on both clocks
+    for row in (ref, speed):
+        log = row["steps_log"]
+        assert [e["step"] for e in log] == list(range(1, row["steps"] + 1))
+        assert all(a["clock_cpu"] <= b["clock_cpu"] and a["clock_wall"] <= b["clock_wall"] for a, b in zip(log, log[1:]))
+        assert all(0 <= e["effective_sequences"] <= e["trained_sequences"] and "reward" in e for e in log)
+        assert sum(e["trained_tokens"] for e in log) == row["trained_tokens"]
+        assert sum(e["gen_tokens"] for e in log) == row["gen_tokens"]
+        assert all(a["clock_work"] < b["clock_work"] and e["probe_cpu_s"] > 0 for a, b, e in zip(log, log[1:], log))
+        assert [t for t, _ in row["curve"]] == [t for t, _ in row["curve_work"]] and row["clock"] == "work"
+        assert [e["clock_cpu"] for e in row["evaluations"]] == [t for t, _ in row["curve_cpu"][1:]]
+        assert len(row["evaluations"]) == len(row["curve"]) - 1
+    assert ref["steps_log"][0]["trained_sequences"] == 8 and speed["steps_log"][0]["effective_sequences"] > 0
     assert saved["target"] == ref["curve"][-1][1] and "machine" in saved
     assert (out / "time_to_accuracy.md").read_text().startswith("| method")
     import importlib.util
 
     assert (out / "time_to_accuracy.png").exists() or importlib.util.find_spec("matplotlib") is None
     assert result["table"].count("\n") == 3
+
+
+# ------------------------------------------------------------------------------------------------ several seeds
+def test_held_out_standard_error_is_over_questions():
+    assert tta.heldout_se([4, 0], 4) == pytest.approx(0.5)  # per question 1 and 0: stdev 0.707 / sqrt(2)
+    assert tta.heldout_se([2, 2, 2, 2], 4) == 0.0
+    assert tta.heldout_se([1, 3, 2, 2], 4) == pytest.approx(math.sqrt(1 / 24) / 2)  # 0.25 .75 .5 .5: var 1/24
+    assert math.isnan(tta.heldout_se([3], 4))
+    assert tta.as_evaluation({"acc": 0.5, "correct": [4, 0], "samples": 4})["se"] == pytest.approx(0.5)
+    assert tta.as_evaluation(0.25) == {"acc": 0.25}
+
+
+def test_percentile_bounds_and_the_exact_bootstrap():
+    assert tta.quantile_bounds([0.0, 0.5, 0.5, 1.0], 0.5) == (0.5, 0.5)
+    assert tta.quantile_bounds([0.0, 0.5, 0.5, 1.0], 0.9) == (0.0, 1.0)
+    # two values: the 4 ordered resamples have means 0, .5, .5, 1
+    assert tta.bootstrap_ci([0.0, 1.0], level=0.5) == (0.5, 0.5)
+    assert tta.bootstrap_ci([0.0, 1.0], level=0.9) == (0.0, 1.0)
+    # [0, 0, 3]: the number k of 3s in a resample is Binomial(3, 1/3): means 0 (8 of 27), 1 (12), 2 (6), 3 (1);
+    # at 80% the bounds are sorted entries floor(2.7) = 2 (a 0) and ceil(24.3) - 1 = 24 (a 2)
+    assert tta.bootstrap_ci([0.0, 0.0, 3.0], level=0.8) == (0.0, 2.0)
+    assert tta.bootstrap_ci([0.0, 0.0, 3.0], level=0.95) == (0.0, 3.0)
+    assert tta.bootstrap_ci([1.0, math.inf], level=0.9) == (1.0, math.inf)  # a target never reached propagates
+    # max of a resample of [2, 7, 3]: 2 (1 of 27), 3 (7), 7 (19); at 50% sorted entries floor(6.75) = 6 and 20
+    assert tta.bootstrap_ci([2.0, 7.0, 3.0], stat=max, level=0.5) == (3.0, 7.0)
+    assert all(math.isnan(x) for x in tta.bootstrap_ci([]))
+    # beyond exact_up_to: seeded random resamples, reproducible, and around the right interval
+    values = [0.1, 0.4, 0.2, 0.3, 0.5, 0.6, 0.2]
+    mc = tta.bootstrap_ci(values, level=0.9, exact_up_to=0, resamples=4000)
+    assert mc == tta.bootstrap_ci(values, level=0.9, exact_up_to=0, resamples=4000)
+    assert mc[0] < sum(values) / 7 < mc[1] and mc[1] - mc[0] < 0.3
+
+
+def test_a_curve_read_at_fractions_of_the_budget():
+    curve = [(0.0, 0.1), (50.0, 0.3), (100.0, 0.5)]
+    assert tta.curve_at(curve, 100.0, [0.0, 0.25, 0.5, 1.0, 1.2]) == pytest.approx([0.1, 0.2, 0.3, 0.5, 0.5])
+    assert tta.curve_at([(0.0, 0.1), (90.0, 0.4)], 100.0, [0.45, 1.0]) == pytest.approx([0.25, 0.4])
+
+
+REF = {"curve": [[0.0, 0.1], [50.0, 0.3], [100.0, 0.4]], "train_seconds": 100.0, "steps": 20}
+
+
+def test_one_seeds_numbers_against_its_reference():
+    row = {"curve": [[0.0, 0.1], [24.0, 0.2], [49.0, 0.45], [74.0, 0.5], [98.0, 0.38]], "train_seconds": 98.0,
+           "steps": 10, "gen_per_trained_token": 2.5}
+    m = tta.seed_metrics(REF, row)
+    assert (m["target"], m["budget_s"], m["time_to_target"]) == (0.4, 100.0, 49.0)
+    assert m["time_ratio"] == pytest.approx(0.49) and m["reached_by_half"]
+    assert m["acc_at_budget"] == 0.38 and m["diff_at_budget"] == pytest.approx(-0.02)
+    assert (m["peak"], m["peak_at"], m["final"]) == (0.5, 0.74, 0.38) and m["drop_from_peak"] == pytest.approx(0.12)
+    assert m["stop_ratio"] == 0.98 and m["sec_per_step"] == 9.8
+    ref = tta.seed_metrics(REF, REF)  # the reference against itself: its target at its end, 1x
+    assert ref["time_ratio"] == 1.0 and ref["diff_at_budget"] == 0.0 and not ref["reached_by_half"]
+    late = tta.seed_metrics(REF, {**row, "curve": [[0.0, 0.1], [52.0, 0.41], [98.0, 0.3]]})
+    assert late["time_ratio"] == 0.52 and not late["reached_by_half"]
+
+
+def test_means_over_seeds_and_the_goal():
+    def metrics(ratio, diff, stop=1.0):
+        return {"time_ratio": ratio, "stop_ratio": stop, "reached_by_half": ratio <= 0.5, "acc_at_budget": 0.5 + diff,
+                "diff_at_budget": diff, "peak": 0.6, "final": 0.5 + diff, "drop_from_peak": 0.1 - diff,
+                "target": 0.5, "steps": 10, "sec_per_step": 2.0, "gen_per_trained_token": 1.0, "peak_at": 0.5}
+
+    s = tta.method_summary([metrics(0.4, 0.1), metrics(0.6, -0.05), metrics(math.inf, 0.0, stop=0.97)])
+    assert (s["seeds"], s["reached_by_half"], s["not_reached"]) == (3, 1, 1)
+    assert s["time_ratio_median"] == 0.6 and s["time_ratio_median_ci"][1] == math.inf
+    assert s["time_ratio_mean"] == pytest.approx((0.4 + 0.6 + 0.97) / 3) and s["time_ratio_mean_is_lower_bound"]
+    assert s["diff_at_budget"] == pytest.approx(0.05 / 3)
+    assert s["diff_at_budget_ci"] == tta.bootstrap_ci([0.1, -0.05, 0.0])
+    assert not tta.goal_met(s)
+    assert tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 4 + [metrics(0.9, 0.0)]))
+    assert not tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 3 + [metrics(0.9, 0.0)] * 2))
+    assert not tta.goal_met(tta.method_summary([metrics(0.4, -0.01)] * 5))
+
+
+def test_variants_seeds_and_the_job_order():
+    known = tta.known_methods(["dapo_nopen=dapo:overlong_penalty=False,epsilon_high=0.2",
+                               "dapo_lr=dapo_nopen:learning_rate=1e-5,lr_scheduler_type=cosine"])
+    v = known["dapo_lr"]
+    assert v.algorithm == "dapo" and v.settings == {"overlong_penalty": False, "epsilon_high": 0.2,
+                                                     "learning_rate": 1e-5, "lr_scheduler_type": "cosine"}
+    assert known["dapo_nopen"].label == "DAPO [overlong_penalty=False, epsilon_high=0.2]"
+    assert [m.name for m in tta.select_methods("dapo_lr", known)] == ["grpo", "dapo_lr"]
+    for bad, match in [("dapo_x", "expected NAME=BASE"), ("x=nope:a=1", "unknown base"),
+                       ("grpo=dapo:beta=0.1", "is the reference"), ("x=dapo:beta", "is not field=value")]:
+        with pytest.raises(ValueError, match=match):
+            tta.known_methods([bad])
+    assert tta.parse_seeds("0-2,5") == [0, 1, 2, 5]
+    for bad in ("a", "1,1", ""):
+        with pytest.raises(ValueError, match="--seeds"):
+            tta.parse_seeds(bad)
+    pending = [(0, "grpo"), (0, "dapo"), (1, "grpo"), (1, "dapo")]
+    assert tta.next_job(pending, [], lambda s: False) == (0, "grpo")
+    assert tta.next_job(pending[1:], [(0, "grpo")], lambda s: False) == (1, "grpo")  # dapo 0 waits for its grpo
+    assert tta.next_job(pending[1:], [], lambda s: s == 0) == (0, "dapo")
+    assert tta.next_job([(1, "dapo")], [], lambda s: s == 0) is None
+    assert tta.job_order([2, 0], ["grpo", "dapo"]) == [(2, "grpo"), (2, "dapo"), (0, "grpo"), (0, "dapo")]
+    assert tta.job_order([2, 0], ["grpo", "dapo"], "method") == [(2, "grpo"), (0, "grpo"), (2, "dapo"), (0, "dapo")]
+
+
+def test_a_running_run_is_adopted_not_restarted(tmp_path):
+    import subprocess
+
+    marker = tta.marker_path(str(tmp_path), 3, "dapo")
+    assert marker == str(tmp_path / "seed3" / "dapo.running")
+    os.makedirs(os.path.dirname(marker))
+    assert tta.live_pid(marker) is None  # no marker
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with open(marker, "w") as f:
+            f.write(str(proc.pid))
+        assert tta.live_pid(marker) == proc.pid
+        adopted = tta.Adopted(proc.pid)
+        assert adopted.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
+    assert tta.live_pid(marker) is None and adopted.poll() == 0  # a stale marker: the run is pending again
+
+
+def test_the_multi_seed_report(tmp_path):
+    """Hand-made runs of two seeds: the report's means, intervals, goal column, per-seed rows and plot."""
+    common = {"per_device_train_batch_size": 16, "num_generations": 4, "max_completion_length": 24,
+              "temperature": 0.7, "learning_rate": 3e-5, "lr_scheduler_type": "constant", "beta": 0.0}
+
+    def run(seed, method, curve, steps):
+        row = {"seed": seed, "method": method, "label": tta.METHODS[method].label, "curve": curve,
+               "train_seconds": curve[-1][0], "steps": steps, "gen_per_trained_token": 1.0, "task": "hand-made",
+               "before": {"acc": curve[0][1]}, "protocol": {"clock": "cpu", "grpo_steps": 20}, "common": common,
+               "evaluations": [{"acc": a, "se": 0.02} for _, a in curve[1:]]}
+        os.makedirs(tmp_path / f"seed{seed}", exist_ok=True)
+        (tmp_path / f"seed{seed}" / f"{method}.json").write_text(json.dumps(row))
+
+    run(0, "grpo", REF["curve"], 20)
+    run(0, "dapo", [[0.0, 0.1], [25.0, 0.42], [50.0, 0.5], [99.0, 0.45]], 12)  # 0.25x, +0.05
+    run(1, "grpo", [[0.0, 0.2], [60.0, 0.5], [120.0, 0.5]], 20)
+    run(1, "dapo", [[0.0, 0.2], [30.0, 0.3], [60.0, 0.45], [118.0, 0.48]], 12)  # not reached, -0.02
+    result = tta.report(str(tmp_path))
+    s = result["summary"]["dapo"]
+    assert (s["seeds"], s["reached_by_half"], s["not_reached"]) == (2, 1, 1)
+    assert s["diff_at_budget"] == pytest.approx(0.015) and s["diff_at_budget_ci"] == pytest.approx((-0.02, 0.05))
+    assert s["time_ratio_mean"] == pytest.approx((0.25 + 118 / 120) / 2)
+    assert result["summary"]["grpo"]["acc_at_budget"] == pytest.approx(0.45)
+    md = (tmp_path / "time_to_accuracy.md").read_text()
+    dapo_row = next(line for line in md.splitlines() if line.startswith("| DAPO "))
+    assert "1/2" in dapo_row and ">= 0.62x" in dapo_row and "missed" in dapo_row
+    assert "| 1    | 0.200  | DAPO" in md and "not reached" in md
+    assert "- seed 0, DAPO: 0.00=0.100 0.25=0.420 0.50=0.500 0.99=0.450" in md
+    saved = json.loads((tmp_path / "time_to_accuracy.json").read_text())
+    assert saved["runs"]["1"]["dapo"]["steps"] == 12 and saved["per_seed"]["dapo"]["0"]["time_ratio"] == 0.25
+    import importlib.util
+
+    assert (tmp_path / "time_to_accuracy.png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_the_step_by_step_table():
+    run = {"clock": "cpu", "evaluations": [{"step": 2, "acc": 0.5}], "steps_log": [
+        {"step": 1, "clock_cpu": 25.0, "clock_wall": 60.0, "rewards/word_problem_reward/mean": 0.25,
+         "entropy": 0.8, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "frac_reward_zero_std": 0.75,
+         "dapo/groups_kept": 4.0, "dapo/groups_generated": 11.0, "effective_sequences": 16, "trained_sequences": 16,
+         "completions/mean_length": 20.5, "completions/clipped_ratio": 0.5, "dapo/overlong_penalty": -0.4,
+         "dapo/frac_overlong_penalized": 0.6, "gen_tokens": 900, "trained_tokens": 300},
+        {"step": 2, "clock_cpu": 50.0, "clock_wall": 70.0, "reward": 0.5, "gen_tokens": 0, "trained_tokens": 0,
+         "effective_sequences": 4, "trained_sequences": 16}]}
+    lines = tta.steps_table(run, 100.0).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header = cells[0]
+    first, second = dict(zip(header, cells[2])), dict(zip(header, cells[3]))
+    assert first["clock"] == "0.25" and first["task reward"] == "0.25" and first["groups with spread"] == "0.25"
+    assert first["kept / generated"] == "4/11" and first["eff. seqs"] == "16" and first["gen/trained tok"] == "3"
+    assert first["overlong pen."] == "-0.4" and first["held-out"] == ""
+    assert second["task reward"] == "0.5" and second["entropy"] == "" and second["held-out"] == "0.500"
+    assert second["eff. seqs"] == "4" and second["gen/trained tok"] == ""
