@@ -3,14 +3,11 @@ simulated processes (threads with a real all-gather rendezvous), trimming, the l
 own image inputs (per-row packing of each VLM family's layout, forward chunks, LLaVA-NeXT's tiles; one test with two
 real processes)."""
 
-import os
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from launcher import accelerate_launch
 
 from trl_ppo_variants import rollout
 
@@ -542,10 +539,6 @@ def test_two_processes_with_other_tile_counts_move_rows_with_their_tiles(threade
     _assert_same_images(out1, tiled_rollout([[], [2, 2], []], [1, 2, 5], 2))
 
 
-#: tests/scripts/tiles_2proc.py's port (no other test uses it)
-TILES_PORT = 29731
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_real_processes_with_other_tile_counts_agree_and_keep_each_rows_pixels():
@@ -553,13 +546,7 @@ def test_two_real_processes_with_other_tile_counts_agree_and_keep_each_rows_pixe
     image), rank 1 with 2:1 ones (3): gloo refused the mismatched sizes ("Received data size doesn't match expected
     size"); now every row arrives with its own pixels, a rank without images takes part, the ranks' global views
     agree (tests/scripts/tiles_2proc.py)."""
-    root = Path(__file__).resolve().parents[1]
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--main_process_port", str(TILES_PORT),
-           str(root / "tests" / "scripts" / "tiles_2proc.py")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", ACCELERATE_USE_CPU="1")
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0 and "TILES-2PROC-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    accelerate_launch("tiles_2proc.py", marker="TILES-2PROC-OK", timeout=240)
 
 
 def test_unknown_multimodal_layouts_are_refused_naming_the_key():

@@ -10,23 +10,13 @@ and on which rows each holds.
 Prints "TILES-2PROC-OK" on the main process when every check passed.
 """
 
-import os
-import sys
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
+from _common import main_then_finish  # first: offline, one torch thread, tests/ on the path
 import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+from test_rollout import PAD, ROUND_A, tiled_rollout
 
-torch.set_num_threads(1)
-
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import gather_object  # noqa: E402
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from test_rollout import PAD, ROUND_A, tiled_rollout  # noqa: E402
-
-from trl_ppo_variants import rollout  # noqa: E402
+from trl_ppo_variants import rollout
 
 #: rank 1's rows: 2:1 images (3 entries), one padded by its batch, and a row without an image
 ROUND_B = ([[3], [3, 2], []], [3, 4, 5])
@@ -77,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main_then_finish(main)
