@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 EXTENSIONS = $(abspath $(1))/torch_extensions
 SHM_OP := "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 
-.PHONY: install test test-main test-real-model test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
+.PHONY: install test test-main test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -65,24 +65,19 @@ TEST_JOBS ?= 2
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-vllm
 
-test-main test-quick test-slow test-real-model: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VENV))
+test-main test-quick test-slow: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VENV))
 test-vllm: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VLLM_VENV))
 
 test-main: $(STAMP)
-	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 -m "not real_model_full" \
-		--ignore=tests/test_vllm.py --ignore=tests/test_vllm_distributed.py tests
-
-# The real model's checks beyond one per code path (marker real_model_full: every algorithm 2 steps on SmolLM2, PPO's
-# LoRA, RLOO's held-out learning, the offline recipe under ZeRO-2): about half an hour on 2 cores, part of `make bench`.
-test-real-model: $(STAMP)
-	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal -m real_model_full tests
+	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 --ignore=tests/test_vllm.py \
+		--ignore=tests/test_vllm_distributed.py tests
 
 # The quick suite: no multi-process, DeepSpeed or slow learning tests.
 test-quick: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow and not real_model_full" tests
+	$(PY) -m pytest -q -n $(TEST_JOBS) -m "not slow" tests
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal -m "slow and not real_model_full" tests
+	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal -m slow tests
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
@@ -104,7 +99,7 @@ demo-toy: $(STAMP)
 # The benchmark suite: step time and memory against TRL's GRPOTrainer, DAPO/TTRL costs, reward curves. The headline
 # table is the real SmolLM2-135M-Instruct (bench/results/smollm2/, about an hour on 2 CPU cores); the tiny model's
 # table is the fast path (bench/results/, a few minutes).
-bench: bench-toy bench-smollm2 test-real-model
+bench: bench-toy bench-smollm2
 
 bench-toy: $(STAMP)
 	$(PY) bench/suite.py

@@ -40,14 +40,7 @@ MAX_LEN = 12
 PROBLEM = [{"role": "system", "content": "Reply with only the number."},
            {"role": "user", "content": "Anna has 7 pens and gets 5 more. How many pens does Anna have now?"}]
 YES_NO = [{"role": "user", "content": "Is 7 larger than 3? Answer yes or no."}]
-#: `make test` trains these three on the real model, one per path the real model adds: DAPO (truncated rows masked,
-#: refill rounds), PPO (a critic from the 135M backbone, KL in the reward, truncated rows trained) and RLOO (KL in
-#: the loss, a reference model); every estimator is tested on the toy model in `make test`. `make test-real-model`
-#: (part of `make bench`) trains every command: the baseline and each algorithm (a new one needs its SETTINGS below)
-IN_SUITE = ("dapo", "ppo", "rloo")
-ALGOS = [a if a in IN_SUITE else pytest.param(a, marks=pytest.mark.real_model_full) for a in REGISTRY]
-#: marks a check `make test-real-model` runs and `make test` does not
-full = pytest.mark.real_model_full
+ALGOS = list(REGISTRY)  # every command: the baseline and each algorithm (a new one needs its SETTINGS below)
 # half of the trainers mask truncated completions out of the loss, half do not (both paths on every family)
 MASK_TRUNCATED = {"grpo": True, "rloo": False, "remax": True, "reinforce_pp": True, "reinforce_pp_baseline": False,
                   "dapo": True, "ppo": False, "vapo": True, "ttrl": False, "process_grpo": True}
@@ -267,7 +260,7 @@ def test_remax_greedy_rows_are_greedy_under_the_chat_template(smollm2_dir, tmp_p
 
 # ------------------------------------------------------------------------------------------------ LoRA
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("algo", ["rloo", pytest.param("ppo", marks=full)])
+@pytest.mark.parametrize("algo", ["rloo", "ppo"])
 def test_lora_on_the_real_model(smollm2_dir, tmp_path, algo):
     """LoRA on the real attention projections: only the adapter moves; PPO's critic (never a LoRA target) trains in
     full; the saved adapter loads back onto the base model."""
@@ -338,7 +331,6 @@ SEED_RESULTS = {0: 0.406, 1: 0.453, 2: 0.297, 3: 0.266, 4: 0.188}
 MARGIN = 0.08
 
 
-@full  # a learning run of several minutes: `make test-real-model`; the toy learning tests stay in `make test`
 @pytest.mark.timeout(900)
 def test_rloo_raises_heldout_accuracy_on_word_problems(smollm2_dir, tmp_path):
     """6 RLOO steps (16 completions a step, lr 2e-5, temperature 0.7, no KL) raise the held-out accuracy on word

@@ -398,9 +398,7 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config,algo,expect", [
     ("multi_gpu", "rloo", "2 processes on cpu (DDP)"),
-    # ZeRO-2 on the real model: `make test-real-model` (ZeRO-2 and -3 under the CLI stay in `make test`, on the toy
-    # model: test_two_process_cli_under_accelerate_launch)
-    pytest.param("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)", marks=pytest.mark.real_model_full),
+    ("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
 ])
 def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, algo, expect):
     """The offline recipe on 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-2, with the recipes' accelerate configs

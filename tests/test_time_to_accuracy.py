@@ -234,7 +234,8 @@ def test_means_over_seeds_and_the_goal():
     def metrics(ratio, diff, stop=1.0):
         return {"time_ratio": ratio, "stop_ratio": stop, "reached_by_half": ratio <= 0.5, "acc_at_budget": 0.5 + diff,
                 "diff_at_budget": diff, "peak": 0.6, "final": 0.5 + diff, "drop_from_peak": 0.1 - diff,
-                "target": 0.5, "steps": 10, "sec_per_step": 2.0, "gen_per_trained_token": 1.0, "peak_at": 0.5}
+                "target": 0.5, "steps": 10, "sec_per_step": 2.0, "cpu_per_step": 1.5, "gen_per_trained_token": 1.0,
+                "peak_at": 0.5}
 
     s = tta.method_summary([metrics(0.4, 0.1), metrics(0.6, -0.05), metrics(math.inf, 0.0, stop=0.97)])
     assert (s["seeds"], s["reached_by_half"], s["not_reached"]) == (3, 1, 1)
@@ -242,6 +243,7 @@ def test_means_over_seeds_and_the_goal():
     assert s["time_ratio_mean"] == pytest.approx((0.4 + 0.6 + 0.97) / 3) and s["time_ratio_mean_is_lower_bound"]
     assert s["diff_at_budget"] == pytest.approx(0.05 / 3)
     assert s["diff_at_budget_ci"] == tta.bootstrap_ci([0.1, -0.05, 0.0])
+    assert (s["sec_per_step"], s["cpu_per_step"]) == (2.0, 1.5)
     assert not tta.goal_met(s)
     assert tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 4 + [metrics(0.9, 0.0)]))
     assert not tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 3 + [metrics(0.9, 0.0)] * 2))
