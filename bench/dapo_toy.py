@@ -1,11 +1,11 @@
-"""Benchmark entry (not a test): DAPO against TRL's GRPOTrainer on the toy task, same model, data, seed and steps.
+"""DAPO against TRL's GRPOTrainer on the toy task, same model, data, seed and steps.
 
 Runs TRL's `GRPOTrainer` (with DAPO's clip-higher so that only the data side differs), `DAPOTrainer` without dynamic
 sampling (this package's seam alone) and `DAPOTrainer` with dynamic sampling, and reports per run: seconds per optimizer
 step, seconds per generated completion token, generated tokens per trained token, and the sampled-reward curve
 (written to <out>/dapo_bench.json, and <out>/dapo_bench.png when matplotlib is installed).
 
-    .venv/bin/python tests/scripts/dapo_bench.py --steps 40 --repeats 2 --out /tmp/dapo_bench
+    .venv/bin/python bench/dapo_toy.py --steps 40 --repeats 2 --out /tmp/dapo_bench
 
 Seconds are CPU seconds of this single-threaded process (wall time on a shared machine measures the neighbours);
 compare ratios, and repeat (runs are interleaved).
