@@ -1107,9 +1107,68 @@ def steps_table(run: dict, budget: float) -> str:
     return markdown_table(["step"] + [h for h, _ in STEP_COLUMNS] + ["held-out"], body)
 
 
+def run_diagnosis(run: dict) -> dict:
+    """One run's signs of a post-peak fall (issue 35), read off its evaluations and `steps_log`: the held-out peak
+    (and its step), the final accuracy and the drop between them; the entropy at the first step, at the peak's step
+    and at the last; the mean of the trained completions with a non-zero advantage (the effective batch) and the
+    steps with none (no gradient at all); the largest clip fractions (0 when every update is on-policy); the share of
+    completions DAPO's overlong shaping lowered over the first 3 steps; the mean length at the first and last step.
+    A value a run did not log is None."""
+    evals = run.get("evaluations", [])
+    steps = run["steps_log"]
+    by_step = {e["step"]: e for e in steps}
+    peak = max(evals, key=lambda e: (e["acc"], -e["step"])) if evals else None
+
+    def at(entry, key):
+        return None if entry is None else entry.get(key)
+
+    def mean(values):
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    effective = [e.get("effective_sequences") for e in steps]
+    clips = [v for e in steps for v in (e.get("clip_ratio/low_mean"), e.get("clip_ratio/high_mean")) if v is not None]
+    return {"peak": None if peak is None else peak["acc"], "peak_step": None if peak is None else peak["step"],
+            "final": evals[-1]["acc"] if evals else None,
+            "drop": None if peak is None else peak["acc"] - evals[-1]["acc"],
+            "entropy_first": at(steps[0], "entropy"),
+            "entropy_at_peak": at(by_step.get(peak["step"]) if peak else None, "entropy"),
+            "entropy_last": at(steps[-1], "entropy"),
+            "effective_mean": mean(effective), "steps_without_gradient": sum(1 for v in effective if v == 0),
+            "clip_max": max(clips) if clips else None,
+            "overlong_share_first3": mean([e.get("dapo/frac_overlong_penalized") for e in steps[:3]]),
+            "length_first": at(steps[0], "completions/mean_length"), "length_last": at(steps[-1], "completions/mean_length")}
+
+
+def diagnosis_table(runs, seeds, order, labels) -> str:
+    """`run_diagnosis` of every run, one row each, seed by seed."""
+    def cell(value, digits=3):
+        return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+    body = []
+    for s in seeds:
+        for m in order:
+            if m in runs[s] and runs[s][m].get("steps_log"):
+                d = run_diagnosis(runs[s][m])
+                body.append([str(s), labels[m], f"{cell(d['peak'])} (step {cell(d['peak_step'])})", cell(d["final"]),
+                             cell(d["drop"]), f"{cell(d['entropy_first'], 2)} / {cell(d['entropy_at_peak'], 2)} / "
+                             f"{cell(d['entropy_last'], 2)}", cell(d["effective_mean"], 1),
+                             cell(d["steps_without_gradient"]), cell(d["clip_max"], 2),
+                             cell(d["overlong_share_first3"], 2),
+                             f"{cell(d['length_first'], 1)} -> {cell(d['length_last'], 1)}"])
+    return markdown_table(["seed", "method", "held-out peak", "final", "peak - final", "entropy first / at peak / last",
+                           "eff. seqs a step", "steps without gradient", "clip max", "overlong-penalized, steps 1-3",
+                           "mean length"], body)
+
+
 def steps_report(runs, seeds, order, labels) -> str:
-    """Every run's per-step table (`steps_table`), seed by seed."""
-    parts = ["# Time to accuracy, step by step", "",
+    """A one-row-a-run diagnosis (`diagnosis_table`), then every run's per-step table (`steps_table`), seed by
+    seed."""
+    parts = ["# Time to accuracy, step by step", "", "## Every run at a glance", "",
+             diagnosis_table(runs, seeds, order, labels), "",
+             "eff. seqs a step: trained completions with a non-zero advantage (of 16); steps without gradient: steps "
+             "where none had one; clip max: the largest clip fraction (low or high) of any step; overlong-penalized: "
+             "the share of completions DAPO's overlong shaping lowered, mean of steps 1-3.", "",
              "clock: training time x the seed's budget; task reward: the mean task reward of the step's generated "
              "completions; entropy, clip low/high: TRL's (the share of tokens whose ratio was clipped; 0 when every "
              "update is on-policy); groups with spread: share of the generated groups whose task rewards differ; "

@@ -348,3 +348,23 @@ def test_the_step_by_step_table():
     assert first["overlong pen."] == "-0.4" and first["held-out"] == ""
     assert second["task reward"] == "0.5" and second["entropy"] == "" and second["held-out"] == "0.500"
     assert second["eff. seqs"] == "4" and second["gen/trained tok"] == ""
+
+
+def test_the_diagnosis_of_a_run():
+    """Peak, fall and the per-step signs read off a hand-built run: a peak of 0.6 at step 2 that falls to 0.4, the
+    entropy at each, 16/4/0 effective sequences (one step without gradient), the overlong share of steps 1-3."""
+    run = {"evaluations": [{"step": 1, "acc": 0.3}, {"step": 2, "acc": 0.6}, {"step": 4, "acc": 0.4}], "steps_log": [
+        {"step": 1, "entropy": 0.8, "effective_sequences": 16, "clip_ratio/low_mean": 0.0,
+         "clip_ratio/high_mean": 0.01, "dapo/frac_overlong_penalized": 0.9, "completions/mean_length": 23.0},
+        {"step": 2, "entropy": 0.5, "effective_sequences": 4, "dapo/frac_overlong_penalized": 0.3},
+        {"step": 3, "entropy": 0.3, "effective_sequences": 0, "dapo/frac_overlong_penalized": 0.0},
+        {"step": 4, "entropy": 0.1, "effective_sequences": 4, "completions/mean_length": 14.0}]}
+    d = tta.run_diagnosis(run)
+    assert (d["peak"], d["peak_step"], d["final"]) == (0.6, 2, 0.4) and d["drop"] == pytest.approx(0.2)
+    assert (d["entropy_first"], d["entropy_at_peak"], d["entropy_last"]) == (0.8, 0.5, 0.1)
+    assert d["effective_mean"] == 6.0 and d["steps_without_gradient"] == 1 and d["clip_max"] == 0.01
+    assert d["overlong_share_first3"] == pytest.approx(0.4) and (d["length_first"], d["length_last"]) == (23.0, 14.0)
+    table = tta.diagnosis_table({0: {"dapo": run}}, [0], ["dapo"], {"dapo": "DAPO"})
+    row = [c.strip() for c in table.splitlines()[2].strip("|").split("|")]
+    assert row == ["0", "DAPO", "0.600 (step 2)", "0.400", "0.200", "0.80 / 0.50 / 0.10", "6.0", "1", "0.01", "0.40",
+                   "23.0 -> 14.0"]
