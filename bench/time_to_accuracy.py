@@ -913,6 +913,14 @@ def run_seeds(opts, methods: list[Method], seeds: list[int], progress=print) -> 
             if job is None:
                 break
             pending.remove(job)
+            # another launcher on the folder may have run or started it since this one listed its jobs
+            if os.path.exists(result_path(opts.out, *job)):
+                continue
+            pid = live_pid(marker_path(opts.out, *job))
+            if pid is not None:
+                running[Adopted(pid)] = job
+                progress(f"time-to-accuracy: seed {job[0]} {job[1]} is running already (pid {pid}): adopted")
+                continue
             log = result_path(opts.out, *job)[:-len(".json")] + ".log"
             os.makedirs(os.path.dirname(log), exist_ok=True)
             with open(log, "w") as handle:
