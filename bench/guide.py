@@ -42,6 +42,8 @@ GUIDE_PAGE = DOCS / "guide.md"
 DEMO_PAGE = DOCS / "getting-started.md"
 REAL_SUITE = ROOT / "bench" / "results" / "smollm2" / "suite.json"
 TOY_SUITE = ROOT / "bench" / "results" / "suite.json"
+#: the multi-seed time-to-accuracy reports (`bench/time_to_accuracy.py --seeds`); the guide reads the newest
+TTA_REPORTS = "bench/results/smollm2/time_to_accuracy_*/time_to_accuracy.json"
 WIDTH = 118  # the docs' prose width
 BEGIN = "<!-- guide: written by `python bench/guide.py --write` from the docs' measurements and bench/results; edit it there -->"
 END = "<!-- /guide -->"
@@ -143,7 +145,27 @@ def _cost(entry: algorithms.Algorithm, real: dict, toy: dict) -> str:
     return text
 
 
-def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[str, dict]] | None = None) -> str:
+def load_tta() -> dict | None:
+    """The newest multi-seed time-to-accuracy report (`TTA_REPORTS`), or None when there is none."""
+    paths = sorted(ROOT.glob(TTA_REPORTS))
+    return json.loads(paths[-1].read_text()) if paths else None
+
+
+def tta_sentence(report: dict) -> str:
+    """One sentence per method of a multi-seed time-to-accuracy report: on how many seeds it reached the reference's
+    accuracy by half the reference's time, and its mean accuracy at that budget against the reference's."""
+    ref, summary, labels = report["methods"][0], report["summary"], report["labels"]
+    seeds = summary[ref]["seeds"]
+    parts = [f"{labels[m]} reached it by half that time on {summary[m]['reached_by_half']} of {summary[m]['seeds']} "
+             f"seeds (median {summary[m]['time_ratio_median']:.2f}x) and ended at {summary[m]['acc_at_budget']:.3f}"
+             for m in report["methods"][1:] if m in summary]
+    return (f"Time to accuracy over {seeds} seeds (SmolLM2-135M-Instruct, the demo's settings; "
+            f"[Benchmarks](benchmarks.md#time-to-accuracy-over-seeds)): {labels[ref]} ends its 20 steps at a mean "
+            f"held-out accuracy of {summary[ref]['acc_at_budget']:.3f}; " + "; ".join(parts) + " in the same time.")
+
+
+def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[str, dict]] | None = None,
+           tta: dict | None = None) -> str:
     """The guide's Markdown (between its markers) from the demo page, the two suites and the pages' guide rows."""
     rows = guide_rows() if rows is None else rows
     values = {name: shown for name, (_, shown) in PROSE_NUMBERS.items()}
@@ -190,7 +212,11 @@ def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[s
         " spread)" + (f" it needed {keep_rounds[0]:.2f} rounds per step" if keep_rounds else "")
         + ", fewer when the data suits the model."
     )
-    lines += ["", textwrap.fill(costs, WIDTH), "", END]
+    lines += ["", textwrap.fill(costs, WIDTH), ""]
+    if tta is not None:
+        # a link must stay on one line: no break at its hyphens
+        lines += [textwrap.fill(tta_sentence(tta), WIDTH, break_on_hyphens=False, break_long_words=False), ""]
+    lines += [END]
     return "\n".join(lines)
 
 
@@ -204,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--write", action="store_true", help="replace the guide in docs/guide.md")
     opts = parser.parse_args(argv)
-    guide = render(DEMO_PAGE.read_text(), json.loads(REAL_SUITE.read_text()), json.loads(TOY_SUITE.read_text()))
+    guide = render(DEMO_PAGE.read_text(), json.loads(REAL_SUITE.read_text()), json.loads(TOY_SUITE.read_text()),
+                   tta=load_tta())
     if opts.write:
         GUIDE_PAGE.write_text(replace_guide(GUIDE_PAGE.read_text(), guide))
         print(f"guide written to {GUIDE_PAGE}")

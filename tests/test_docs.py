@@ -63,7 +63,7 @@ def test_docs_build_strictly_and_offline(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ the guide
 def test_guide_is_the_generated_one():
-    expected = guide.render(guide.DEMO_PAGE.read_text(), *_suites())
+    expected = guide.render(guide.DEMO_PAGE.read_text(), *_suites(), tta=guide.load_tta())
     assert expected in guide.GUIDE_PAGE.read_text(), "docs/guide.md is stale: run `python bench/guide.py --write`"
 
 
@@ -214,3 +214,12 @@ def test_trl_style_docstrings_render_as_google_style():
     assert params["epsilon_high"].description.strip() == "Upper clip range\n(Clip-Higher). Defaults to `0.28`."
     assert params["beta"].description.strip() == "KL loss coefficient."  # in the signature: mkdocstrings shows the default
     assert params["overlong_cache_length"].description.strip() == "`L_cache`."
+
+
+def test_the_guide_states_the_multi_seed_time_to_accuracy():
+    report = {"methods": ["grpo", "dapo"], "labels": {"grpo": "trl.GRPOTrainer", "dapo": "DAPO"}, "summary": {
+        "grpo": {"seeds": 5, "acc_at_budget": 0.4, "reached_by_half": 1, "time_ratio_median": 0.8},
+        "dapo": {"seeds": 5, "acc_at_budget": 0.6, "reached_by_half": 4, "time_ratio_median": 0.31}}}
+    text = guide.tta_sentence(report)
+    assert text.startswith("Time to accuracy over 5 seeds") and "at a mean held-out accuracy of 0.400" in text
+    assert "DAPO reached it by half that time on 4 of 5 seeds (median 0.31x) and ended at 0.600" in text
