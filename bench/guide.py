@@ -160,7 +160,8 @@ def tta_sentence(report: dict) -> str:
              f"seeds (median {summary[m]['time_ratio_median']:.2f}x) and ended at {summary[m]['acc_at_budget']:.3f}"
              for m in report["methods"][1:] if m in summary]
     return (f"Time to accuracy over {seeds} seeds (SmolLM2-135M-Instruct, the demo's settings; "
-            f"[Benchmarks](benchmarks.md#time-to-accuracy-over-seeds)): {labels[ref]} ends its 20 steps at a mean "
+            f"[Benchmarks](benchmarks.md#time-to-accuracy-over-seeds)): {labels[ref]} ends its "
+            f"{report['protocol']['grpo_steps']} steps at a mean "
             f"held-out accuracy of {summary[ref]['acc_at_budget']:.3f}; " + "; ".join(parts) + " in the same time.")
 
 
