@@ -439,10 +439,14 @@ class StepCounter:
         return out
 
 
+#: config fields that name a folder of the machine that ran (a temporary one): not part of what was measured
+MACHINE_FOLDERS = ("output_dir", "logging_dir")
+
+
 def jsonable_args(args) -> dict:
-    """The scalar fields of a config (what a run used, for the record)."""
+    """The scalar fields of a config (what a run used, for the record), without the machine's folders."""
     return {k: v for k, v in vars(args).items()
-            if isinstance(v, (int, float, str, bool)) or v is None}
+            if (isinstance(v, (int, float, str, bool)) or v is None) and k not in MACHINE_FOLDERS}
 
 
 def run_method(method: Method, task: Task, *, steps: int, seed: int, output_dir: str, budget_s: float | None,
