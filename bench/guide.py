@@ -42,8 +42,10 @@ GUIDE_PAGE = DOCS / "guide.md"
 DEMO_PAGE = DOCS / "getting-started.md"
 REAL_SUITE = ROOT / "bench" / "results" / "smollm2" / "suite.json"
 TOY_SUITE = ROOT / "bench" / "results" / "suite.json"
-#: the multi-seed time-to-accuracy reports (`bench/time_to_accuracy.py --seeds`); the guide reads the newest
-TTA_REPORTS = "bench/results/smollm2/time_to_accuracy_*/time_to_accuracy.json"
+#: the multi-seed time-to-accuracy reports of the demo's protocol (`bench/time_to_accuracy.py --seeds`), in folders
+#: named time_to_accuracy_<date>; the guide reads the newest. Other protocols (time_to_accuracy_g16_<date>) do not
+#: match.
+TTA_REPORTS = "bench/results/smollm2/time_to_accuracy_[0-9]*/time_to_accuracy.json"
 WIDTH = 118  # the docs' prose width
 BEGIN = "<!-- guide: written by `python bench/guide.py --write` from the docs' measurements and bench/results; edit it there -->"
 END = "<!-- /guide -->"

@@ -2,8 +2,8 @@
 in 20 steps, with the held-out evaluation kept off the clock, on one seed or on several.
 
     python bench/time_to_accuracy.py                       # one seed, every method, in one process
-    python bench/time_to_accuracy.py --seeds 0,1,2,3,4 --methods grpo,dapo,reinforce_pp,rloo --jobs 2 \
-        --eval-prompts 128 --out bench/results/smollm2/time_to_accuracy_2026-12-06   # the multi-seed table
+    python bench/time_to_accuracy.py --seeds 0-4 --methods grpo,dapo,reinforce_pp,rloo --jobs 2 --eval-points 4 \
+        --eval-prompts 64 --eval-samples 4 --out bench/results/smollm2/time_to_accuracy_2026-12-06  # the table
     python bench/time_to_accuracy.py --seeds 0,1,2,3,4 --methods dapo_nopen \
         --variant dapo_nopen=dapo:overlong_penalty=False --out DIR   # a variant, against the stored references
     python bench/time_to_accuracy.py --report DIR          # rebuild the multi-seed report from DIR's runs
@@ -292,6 +292,23 @@ def heldout_se(correct: list[int], samples: int) -> float:
     if len(correct) < 2:
         return math.nan
     return statistics.stdev(c / samples for c in correct) / math.sqrt(len(correct))
+
+
+def paired_se(correct_a: list[int], correct_b: list[int], samples: int) -> float:
+    """Standard error of the difference of two held-out accuracies on the same questions (`heldout_se` of the
+    per-question differences `(correct_a[q] - correct_b[q]) / samples`): a question both runs find easy, or both
+    hard, cancels, so it is at most sqrt(se_a^2 + se_b^2) when the runs agree on which questions are hard. NaN for
+    fewer than 2 questions or question lists of different lengths."""
+    if len(correct_a) != len(correct_b) or len(correct_a) < 2:
+        return math.nan
+    return statistics.stdev((a - b) / samples for a, b in zip(correct_a, correct_b)) / math.sqrt(len(correct_a))
+
+
+def final_evaluation(run: dict) -> dict:
+    """The run's evaluation at its last curve point (the one at the budget), or {} when it kept no per-question
+    scores."""
+    evaluations = [e for e in run.get("evaluations", []) if "correct" in e]
+    return evaluations[-1] if evaluations else {}
 
 
 # ------------------------------------------------------------------------------------------------ the clock
@@ -745,6 +762,10 @@ def seed_metrics(ref: dict, row: dict) -> dict:
     not reach the target)."""
     target, budget = ref["curve"][-1][1], ref["train_seconds"]
     reach = time_to_reach(row["curve"], target)
+    last, ref_last = final_evaluation(row), final_evaluation(ref)
+    se = next((e["se"] for e in reversed(row.get("evaluations", [])) if "se" in e), math.nan)
+    diff_se = paired_se(last["correct"], ref_last["correct"], last["samples"]) \
+        if last and ref_last and last["samples"] == ref_last["samples"] else math.nan
     accs = [a for _, a in row["curve"]]
     peak = max(accs[1:]) if len(accs) > 1 else accs[0]
     peak_at = next(t for t, a in row["curve"][1:] if a == peak) if len(accs) > 1 else 0.0
@@ -754,7 +775,14 @@ def seed_metrics(ref: dict, row: dict) -> dict:
             "stop_ratio": row["curve"][-1][0] / budget, "steps": row["steps"],
             "sec_per_step": row["train_seconds"] / max(row["steps"], 1),
             "cpu_per_step": row.get("train_seconds_cpu", math.nan) / max(row["steps"], 1),
-            "gen_per_trained_token": row.get("gen_per_trained_token", math.nan)}
+            "gen_per_trained_token": row.get("gen_per_trained_token", math.nan),
+            "se_at_budget": se, "diff_se": diff_se}
+
+
+def noise_of_mean(ses: list[float]) -> float:
+    """The standard error that the evaluations alone put on a mean over seeds of independent evaluations with
+    standard errors `ses`: sqrt(sum se^2) / n (NaN when one is unknown)."""
+    return math.sqrt(sum(se * se for se in ses)) / len(ses) if ses else math.nan
 
 
 def method_summary(per_seed: list[dict], level: float = LEVEL) -> dict:
@@ -776,6 +804,8 @@ def method_summary(per_seed: list[dict], level: float = LEVEL) -> dict:
         out[key + "_ci"] = bootstrap_ci(values, level=level)
     for key in ("steps", "sec_per_step", "cpu_per_step", "gen_per_trained_token", "peak_at"):
         out[key] = _mean([m[key] for m in per_seed])
+    out["noise_se_acc"] = noise_of_mean([m.get("se_at_budget", math.nan) for m in per_seed])
+    out["noise_se_diff"] = noise_of_mean([m.get("diff_se", math.nan) for m in per_seed])
     return out
 
 
@@ -1042,6 +1072,27 @@ def report(out: str, level: float = LEVEL) -> dict:
                          f"{x['gen_per_trained_token']:.2f}", f"{max(se):.3f}" if se else "-"])
     lines += [markdown_table(header, body), "",
               "held-out SE: the largest standard error over questions of the run's evaluations (`heldout_se`).", "",
+              "## Evaluation noise", ""]
+    header = ["method", "SE at budget: one seed", "paired SE vs GRPO: one seed", "SE of the mean (evaluations)",
+              "SE of the mean difference (evaluations)", "0.05 in SEs of the mean difference"]
+    body = []
+    for m in order:
+        if m not in summaries:
+            continue
+        runs_m = list(per_seed[m].values())
+        ses = [x["se_at_budget"] for x in runs_m]
+        dses = [x["diff_se"] for x in runs_m]
+        s = summaries[m]
+        reference = m == REFERENCE
+        body.append([labels[m], f"{min(ses):.3f}-{max(ses):.3f}",
+                     "-" if reference else f"{min(dses):.3f}-{max(dses):.3f}", f"{s['noise_se_acc']:.3f}",
+                     "-" if reference else f"{s['noise_se_diff']:.3f}",
+                     "-" if reference or not s["noise_se_diff"] > 0 else f"{0.05 / s['noise_se_diff']:.1f}"])
+    lines += [markdown_table(header, body), "",
+              "What the held-out evaluation alone adds (besides the spread between seeds, which the bootstrap "
+              "intervals above hold): the standard error over questions of each run's accuracy at the budget, of "
+              "its difference to GRPO's on the same questions (`paired_se`), and of their means over the seeds "
+              "(`noise_of_mean`: sqrt(sum se^2) / n).", "",
               "## Curves (held-out accuracy at each evaluation: clock x budget = accuracy)", ""]
     for s in seeds:
         for m in order:

@@ -185,6 +185,21 @@ def test_held_out_standard_error_is_over_questions():
     assert tta.as_evaluation(0.25) == {"acc": 0.25}
 
 
+def test_the_noise_of_a_difference_and_of_a_mean_over_seeds():
+    # per-question differences (4-2, 1-1, 3-0, 0-1) / 4 = .5 0 .75 -.25: mean .25, var (0.0625+0.0625+0.25+0.25)/3
+    assert tta.paired_se([4, 1, 3, 0], [2, 1, 0, 1], 4) == pytest.approx(math.sqrt(0.625 / 3) / 2)
+    assert tta.paired_se([4, 0], [4, 0], 4) == 0.0  # the same answers: no noise in the difference
+    assert math.isnan(tta.paired_se([4, 0], [4, 0, 1], 4)) and math.isnan(tta.paired_se([1], [2], 4))
+    assert tta.noise_of_mean([0.03, 0.04]) == pytest.approx(0.025)  # sqrt(0.0009 + 0.0016) / 2
+    assert math.isnan(tta.noise_of_mean([0.03, math.nan]))
+    ref = {**REF, "evaluations": [{"acc": 0.4, "correct": [2, 1, 0, 1], "samples": 4, "se": 0.1}]}
+    row = {"curve": [[0.0, 0.1], [98.0, 0.5]], "train_seconds": 98.0, "steps": 10,
+           "evaluations": [{"acc": 0.5, "correct": [4, 1, 3, 0], "samples": 4, "se": 0.2}]}
+    m = tta.seed_metrics(ref, row)
+    assert m["se_at_budget"] == 0.2 and m["diff_se"] == pytest.approx(math.sqrt(0.625 / 3) / 2)
+    assert math.isnan(tta.seed_metrics(REF, row)["diff_se"])  # a reference without per-question scores
+
+
 def test_percentile_bounds_and_the_exact_bootstrap():
     assert tta.quantile_bounds([0.0, 0.5, 0.5, 1.0], 0.5) == (0.5, 0.5)
     assert tta.quantile_bounds([0.0, 0.5, 0.5, 1.0], 0.9) == (0.0, 1.0)
@@ -323,6 +338,9 @@ def test_the_multi_seed_report(tmp_path):
     assert "1/2" in dapo_row and ">= 0.62x" in dapo_row and "missed" in dapo_row
     assert "| 1    | 0.200  | DAPO" in md and "not reached" in md
     assert "- seed 0, DAPO: 0.00=0.100 0.25=0.420 0.50=0.500 0.99=0.450" in md
+    # each evaluation's SE 0.02, no per-question scores: sqrt(2 x 0.02^2) / 2 for the mean, no paired SE
+    assert s["noise_se_acc"] == pytest.approx(0.02 / math.sqrt(2)) and math.isnan(s["noise_se_diff"])
+    assert "| DAPO            | 0.020-0.020" in md
     saved = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert saved["runs"]["1"]["dapo"]["steps"] == 12 and saved["per_seed"]["dapo"]["0"]["time_ratio"] == 0.25
     import importlib.util
