@@ -217,11 +217,14 @@ def test_trl_style_docstrings_render_as_google_style():
 
 
 def test_the_guide_states_the_multi_seed_time_to_accuracy():
-    report = {"protocol": {"grpo_steps": 12}, "methods": ["grpo", "dapo"],
-              "labels": {"grpo": "trl.GRPOTrainer", "dapo": "DAPO"}, "summary": {
+    report = {"protocol": {"grpo_steps": 12}, "methods": ["grpo", "dapo", "dapo_nopen"],
+              "labels": {"grpo": "trl.GRPOTrainer", "dapo": "DAPO", "dapo_nopen": "DAPO [overlong_penalty=False]"},
+              "summary": {
         "grpo": {"seeds": 5, "acc_at_budget": 0.4, "reached_by_half": 1, "time_ratio_median": 0.8},
-        "dapo": {"seeds": 5, "acc_at_budget": 0.6, "reached_by_half": 4, "time_ratio_median": 0.31}}}
+        "dapo": {"seeds": 5, "acc_at_budget": 0.6, "reached_by_half": 4, "time_ratio_median": 0.31},
+        "dapo_nopen": {"seeds": 2, "acc_at_budget": 0.5, "reached_by_half": 2, "time_ratio_median": 0.2}}}
     text = guide.tta_sentence(report)
     assert text.startswith("Time to accuracy over 5 seeds")
     assert "ends its 12 steps at a mean held-out accuracy of 0.400" in text
     assert "DAPO reached it by half that time on 4 of 5 seeds (median 0.31x) and ended at 0.600" in text
+    assert "overlong_penalty" not in text  # a variant run on 2 of the 5 seeds stays on the benchmarks page
