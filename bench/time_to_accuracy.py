@@ -299,9 +299,9 @@ def paired_se(correct_a: list[int], correct_b: list[int], samples: int) -> float
     per-question differences `(correct_a[q] - correct_b[q]) / samples`): a question both runs find easy, or both
     hard, cancels, so it is at most sqrt(se_a^2 + se_b^2) when the runs agree on which questions are hard. NaN for
     fewer than 2 questions or question lists of different lengths."""
-    if len(correct_a) != len(correct_b) or len(correct_a) < 2:
+    if len(correct_a) != len(correct_b):
         return math.nan
-    return statistics.stdev((a - b) / samples for a, b in zip(correct_a, correct_b)) / math.sqrt(len(correct_a))
+    return heldout_se([a - b for a, b in zip(correct_a, correct_b)], samples)
 
 
 def final_evaluation(run: dict) -> dict:
