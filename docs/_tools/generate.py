@@ -157,7 +157,9 @@ def recipe_table() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ results
-RESULT_MARKER = re.compile(r"^<!-- results: (?P<path>\S+) -->$", re.M)
+#: a results file shown in a page; an indented marker (inside a `??? note` admonition, to fold a long table) indents
+#: what it shows as much
+RESULT_MARKER = re.compile(r"^(?P<indent>[ \t]*)<!-- results: (?P<path>\S+) -->$", re.M)
 
 
 def result_block(path: str) -> str:
@@ -175,7 +177,7 @@ def included_results() -> set[str]:
     """The bench/results files some docs page includes."""
     found = set()
     for page in DOCS.rglob("*.md"):
-        found |= set(RESULT_MARKER.findall(page.read_text()))
+        found |= {match["path"] for match in RESULT_MARKER.finditer(page.read_text())}
     return found
 
 
@@ -200,7 +202,10 @@ def expand(text: str, page: str) -> str:
         raise ValueError(f"{page}: unknown generated block {name!r}")
 
     text = MARKER.sub(generated, text)
-    return RESULT_MARKER.sub(lambda m: result_block(m["path"]), text)
+    def results(match: re.Match) -> str:
+        return "\n".join(match["indent"] + line if line else line for line in result_block(match["path"]).split("\n"))
+
+    return RESULT_MARKER.sub(results, text)
 
 
 #: file -> generated regions it holds, and how each is written there
