@@ -230,3 +230,47 @@ def test_the_guide_states_the_multi_seed_time_to_accuracy():
     assert "ends its 12 steps at a mean held-out accuracy of 0.400" in text
     assert "DAPO reached it by half that time on 4 of 5 seeds (median 0.31x) and ended at 0.600" in text
     assert "overlong_penalty" not in text  # a variant run on 2 of the 5 seeds stays on the benchmarks page
+
+
+def test_paper_settings_said_to_be_a_recipe_are_the_recipe():
+    """A page that says its "Reproducing the paper" block is the shipped recipe shows the recipe's values: every field of
+    the block is the recipe's (PPO's page: the paper's clip, GAE and value loss with verl's GSM8K KL and critic rate)."""
+    import ast
+
+    import yaml
+
+    checked = 0
+    for page, entries in generate.pages().items():
+        text = (DOCS / page).read_text()
+        for entry in entries:
+            marker = f"<!-- paper-settings {entry.name} -->"
+            if marker not in text:
+                continue
+            before = text[: text.index(marker)].rsplit("\n\n", 2)[-2:]
+            recipe_path = f"recipes/{entry.name}.yaml"
+            if not any(f"`{recipe_path}`" in part for part in before):
+                continue
+            block = generate.paper_settings(text, entry.name).split("\n", 1)[1].rsplit("```", 1)[0]
+            call = ast.parse(block).body[0].value
+            recipe = yaml.safe_load((ROOT / recipe_path).read_text())
+            for keyword in call.keywords:
+                assert keyword.arg in recipe, (page, keyword.arg)
+                assert ast.literal_eval(keyword.value) == recipe[keyword.arg], (page, keyword.arg, recipe[keyword.arg])
+            checked += 1
+    assert checked >= 1
+
+
+def test_the_docs_build_imports_nothing_heavy():
+    """`make docs` builds in a virtualenv without torch or TRL (docs/_tools/requirements.py installs the `docs` extra
+    alone): the build's hooks, its griffe extension and what they import must not need them."""
+    code = ("import sys; sys.path.insert(0, 'docs/_tools'); import hooks, griffe_hf, generate, requirements; "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trl', 'transformers', 'deepspeed', "
+            "'accelerate', 'datasets', 'numpy'}); print(','.join(heavy))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "", f"the docs build imports {run.stdout.strip()}"
+    requirements = _load("requirements", DOCS / "_tools" / "requirements.py")
+    extra = requirements.docs_requirements((ROOT / "pyproject.toml").read_text())
+    assert any(r.startswith("mkdocs") for r in extra) and not any(r.split("[")[0].split(">")[0].split("=")[0] in (
+        "torch", "trl", "transformers") for r in extra)
