@@ -274,3 +274,19 @@ def test_the_docs_build_imports_nothing_heavy():
     extra = requirements.docs_requirements((ROOT / "pyproject.toml").read_text())
     assert any(r.startswith("mkdocs") for r in extra) and not any(r.split("[")[0].split(">")[0].split("=")[0] in (
         "torch", "trl", "transformers") for r in extra)
+
+
+def test_every_algorithm_page_shows_its_customisation_and_metrics():
+    """Each algorithm page shows its own reward function, vLLM and SLURM (generated with its classes: the code is valid
+    against them) and the metrics its trainer logs, their meanings taken from the Logging page's table."""
+    for page, entries in generate.pages().items():
+        text = (DOCS / page).read_text()
+        assert "<!-- generated: customisation -->" in text and "<!-- generated: metrics " in text, page
+        shown = generate.customisation(page)
+        for code in doc_blocks.blocks(shown, "python"):
+            assert doc_blocks.python_problems(code) == [], (page, code)
+        prefixes = re.search(r"<!-- generated: metrics (\S+) -->", text)[1]
+        table = generate.logged_metrics(prefixes, page)
+        assert table.count("\n| `") >= len(prefixes.split(",")) - 1, page
+    with pytest.raises(ValueError, match="starts with"):
+        generate.logged_metrics("value/,no_such_metric/", "algorithms/ppo.md")
