@@ -59,6 +59,31 @@ def test_docs_build_strictly_and_offline(tmp_path):
     assert (site / "assets" / "mathjax" / "config" / "TeX-AMS-MML_HTMLorMML-full.js").exists()
     dapo = (site / "algorithms" / "dapo.html").read_text()
     assert 'class="arithmatex"' in dapo and "L_{\\text{cache}}" in dapo
+    _check_api_pages(site)
+
+
+def _api_text(page: str) -> str:
+    """The text of the mkdocstrings objects of a built page (signatures and docstrings)."""
+    import html
+
+    return "\n".join(html.unescape(re.sub(r"<[^>]+>", "", m[0])) for m in re.finditer(
+        r'<div class="doc doc-object[\s\S]*?(?=<div class="doc doc-object|</article>)', page))
+
+
+def _check_api_pages(site: Path) -> None:
+    """The API as users read it: docstrings without issue numbers, private names or raw docs paths; signatures one
+    parameter a line when Ruff (the `docs` extra) is there to format them."""
+    pages = sorted((site / "algorithms").glob("*.html")) + sorted((site / "api").glob("*.html"))
+    for path in pages:
+        text = _api_text(path.read_text())
+        for pattern in (r"[Ii]ssue \d+", r"\bdocs/[\w/-]+\.md", r"(?<![\w.~])_[a-z]{2,}\w*"):
+            found = re.search(pattern, text)
+            assert found is None, f"{path.name}: {found[0]!r} in a public docstring"
+    if importlib.util.find_spec("ruff") is not None:  # mkdocstrings formats signatures with it
+        dapo = (site / "algorithms" / "dapo.html").read_text()
+        signature = re.search(r'<div class="doc-signature[\s\S]*?</pre>', dapo[dapo.index('id="trl_ppo_variants.trainers.dapo.DAPOConfig"'):])
+        lines = re.sub(r"<[^>]+>", "", signature[0]).splitlines()
+        assert len(lines) > 10 and max(map(len, lines)) <= 100, lines[:3]
 
 
 # ------------------------------------------------------------------------------------------------ the guide
