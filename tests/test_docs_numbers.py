@@ -3,7 +3,8 @@ one measurement differently.
 
 What a *quote* is, here:
 
-- the pages are README.md and every docs/**/*.md;
+- the pages are README.md and every docs/**/*.md (CHANGELOG.md, the history, may quote superseded numbers: the docs'
+  changelog page includes it by a snippet line, which is not prose);
 - a page's *prose* is its text less its fenced code blocks, its inline code, its HTML comments (which hold the
   `<!-- generated: NAME -->` and `<!-- results: PATH -->` markers: what the build inserts there is generated from
   bench/results and the package, not typed) and the generated regions of README.md (`<!-- generated: NAME -->` ...
