@@ -17,7 +17,10 @@ What a *quote* is, here:
 The rules:
 
 1. **Sourced**: every quote is in a file under bench/results, at the precision it is quoted: the same number in a
-   results report (Markdown) or a number of a results JSON file that rounds to it.
+   results report (Markdown) or a number of a results JSON file that rounds to it. The runs' own logs (a seed's
+   folder, the step-by-step tables), per-step lists and timing or size keys do not count: they hold so many numbers
+   that nearly any quote would match one. A measurement without a results file gets one (a transcription says where
+   the number was first reported) before a page quotes it.
 2. **One value per measurement**: the measurements in `MEASUREMENTS` below (each a name, its results file, how its
    value is read there and the phrasings that quote it) are quoted with the value of their results file on every page
    that quotes them, and each is quoted somewhere (an entry whose phrasing no page uses any more fails, so the table
@@ -62,22 +65,41 @@ def pages() -> dict[str, str]:
     return {p.relative_to(ROOT).as_posix(): p.read_text() for p in paths}
 
 
-def _numbers(value, out: set[str]) -> None:
+#: JSON keys of timings and sizes (seconds, MB, clock readings): never quoted as a ratio or a fraction, and so many
+#: that they would match almost any number
+_NOT_QUOTED = re.compile(r"probe|wall|_s$|sec|minutes|_mb$|budget|clock|time_to|cpu|_at$")
+#: the longest list of a JSON file whose numbers count (longer ones are per-step curves and logs, never quoted)
+_LONGEST_LIST = 8
+
+
+def _numbers(value, out: set[str], key: str = "") -> None:
     if isinstance(value, dict):
-        for item in value.values():
-            _numbers(item, out)
+        for name, item in value.items():
+            _numbers(item, out, str(name))
     elif isinstance(value, list):
-        for item in value:
-            _numbers(item, out)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
-        if abs(value) != float("inf"):
-            out.update(f"{abs(value):.{d}f}" for d in (1, 2, 3))
+        if len(value) <= _LONGEST_LIST:
+            for item in value:
+                _numbers(item, out, key)
+    elif (isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+          and abs(value) != float("inf") and not _NOT_QUOTED.search(key)):
+        out.update(f"{abs(value):.{d}f}" for d in (1, 2, 3))
+
+
+def _per_run_log(path: Path) -> bool:
+    """A run's own log (a seed's folder of a multi-seed run, the step-by-step tables): thousands of numbers per file,
+    which the docs never quote one by one."""
+    parts = path.relative_to(RESULTS).parts
+    return any(part.startswith("seed") for part in parts[:-1]) or path.name.endswith("_accuracy_steps.md")
 
 
 def result_numbers() -> set[str]:
-    """Every number of bench/results, as its reports write it and as its JSON values round (1-3 decimals)."""
+    """The numbers of bench/results that a page may quote: as its reports (Markdown) write them, and as the values of
+    its JSON files round (1-3 decimals), less the runs' own logs, per-step lists and timing keys (which would match
+    nearly every number: with them 93% of the fractions 0.000-0.999 matched some value, without them about a third)."""
     out: set[str] = set()
     for path in RESULTS.rglob("*"):
+        if _per_run_log(path):
+            continue
         if path.suffix == ".md":
             out |= set(re.findall(r"\d+\.\d+", path.read_text()))
         elif path.suffix == ".json":
