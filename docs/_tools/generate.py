@@ -274,7 +274,10 @@ def expand(text: str, page: str) -> str:
 
     text = MARKER.sub(generated, text)
     def results(match: re.Match) -> str:
-        return "\n".join(match["indent"] + line if line else line for line in result_block(match["path"]).split("\n"))
+        block = result_block(match["path"])
+        if match["indent"]:  # folded: its headings become bold lines, so the table of contents stays the page's own
+            block = re.sub(r"^#{1,6} (.+)$", r"**\1**", block, flags=re.M)
+        return "\n".join(match["indent"] + line if line else line for line in block.split("\n"))
 
     return RESULT_MARKER.sub(results, text)
 
