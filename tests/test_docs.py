@@ -315,3 +315,15 @@ def test_every_algorithm_page_shows_its_customisation_and_metrics():
         assert table.count("\n| `") >= len(prefixes.split(",")) - 1, page
     with pytest.raises(ValueError, match="starts with"):
         generate.logged_metrics("value/,no_such_metric/", "algorithms/ppo.md")
+
+
+def test_a_folded_result_table_is_indented_and_leaves_the_table_of_contents():
+    """`<!-- results: PATH -->` indented under `??? note` shows the file inside the fold: every line indented as the
+    marker, its headings bold lines (the page's table of contents stays its own); unindented, the file as it is."""
+    path = "smollm2/time_to_accuracy_2026-12-06/time_to_accuracy_steps.md"
+    folded = generate.expand(f'??? note "logs"\n\n    <!-- results: {path} -->\n', "benchmarks/x.md")
+    body = folded.split("\n", 2)[2]
+    assert all(line.startswith("    ") for line in body.splitlines() if line)
+    assert not re.search(r"^\s*#", body, flags=re.M) and "**" in body
+    plain = generate.expand(f"<!-- results: {path} -->\n", "benchmarks/x.md")
+    assert re.search(r"^#+ ", plain, flags=re.M)
