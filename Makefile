@@ -82,9 +82,26 @@ test-slow: $(STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
 
-# The docs site (mkdocs.yml, docs/): built offline and strictly (a broken link, anchor, include or page fails) into site/.
-docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+# The docs site (mkdocs.yml, docs/): built offline and strictly (a broken link, anchor, include or page fails) into site/,
+# in a virtualenv of its own that holds the `docs` extra and nothing of the package's runtime (no torch, TRL or
+# DeepSpeed): mkdocstrings reads the source statically, and the build hooks (docs/_tools/) import only
+# `trl_ppo_variants.algorithms`, which needs the standard library alone. The package is found on PYTHONPATH, not
+# installed. MathJax comes from `jupyter-server-mathjax`'s static files, hence --no-deps (its dependency is a Jupyter
+# server, which the docs never run). `make test` builds the same site in the main environment (tests/test_docs.py).
+DOCS_VENV ?= .venv-docs
+DOCS_PY := $(DOCS_VENV)/bin/python
+DOCS_STAMP := $(DOCS_VENV)/.installed
+
+$(DOCS_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_PY) -m pip install -q --upgrade pip
+	$(PYTHON) docs/_tools/requirements.py > $(DOCS_VENV)/requirements.txt
+	$(DOCS_PY) -m pip install -q -r $(DOCS_VENV)/requirements.txt
+	$(DOCS_PY) -m pip install -q --no-deps "jupyter-server-mathjax==0.2.6"
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(DOCS_PY) -m mkdocs build --strict
 
 # The main job: the real SmolLM2-135M-Instruct, offline, trained by trl.GRPOTrainer and two of ours (~10 min on
 # 2 CPU cores). ALGO=name (or a,b,c) trains those; ALGO=all trains every algorithm.
@@ -116,4 +133,4 @@ trl-suite: $(STAMP)
 	$(PY) bench/trl_suite.py $(if $(TRL),--trl $(TRL),) --jobs 2
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo_output site .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(DOCS_VENV) demo_output site .pytest_cache

@@ -122,10 +122,10 @@ ALGOS_REF = [
          "REINFORCE++, KL in reward 0.01, log-probs by a forward", "reinforce_pp", baseline="grpo_ref"),
     ours("reinforce_pp_baseline_ref", lambda g: {"beta": KL, "kl_in_reward_coef": 0.0, "baseline": True},
          "REINFORCE++-baseline, k2 beta=0.04", "reinforce_pp_baseline", baseline="grpo_ref", target="time"),
-    ours("ppo_ref", lambda g: {"critic_backbone": "full"}, "PPO, KL in reward 0.05 (default)", "ppo",
+    ours("ppo_ref", lambda g: {"critic_backbone": "full"}, "PPO, full critic, KL in reward 0.05 (the default KL)", "ppo",
          baseline="grpo_ref", target="value"),
     ours("ppo_ref_forward", lambda g: dict(_FORWARD, critic_backbone="full"),
-         "PPO, KL in reward 0.05, log-probs by a forward", "ppo", baseline="grpo_ref"),
+         "PPO, full critic, KL in reward 0.05, log-probs by a forward", "ppo", baseline="grpo_ref"),
     # Issue 21: PPO and VAPO at GRPO's memory, with the LoRA critic. PPO's default KL loads the reference model, whose
     # weights the critic shares; VAPO has no KL (no reference model), so its critic's frozen weights are a copy: both
     # against GRPO with a reference model

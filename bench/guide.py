@@ -8,6 +8,8 @@ Nothing in the guide is typed by hand twice. Its numbers come from:
 
 - the benchmark results (`bench/results/smollm2/suite.json`, `bench/results/suite.json`: step time and trainer memory
   against TRL's `GRPOTrainer`, DAPO's rounds and generated tokens per trained token): rerun `make bench`, then this;
+- the critics' memory (`bench/results/smollm2_critic/memory*.json`, `CRITIC_MEMORY`): measured with the allocator's
+  mmap threshold fixed, which superseded the suite's memory columns for PPO and VAPO;
 - the demo tables of docs/getting-started.md ("The main job": held-out accuracy gains on SmolLM2-135M-Instruct; "The
   quick path": the toy reward after 40 steps), read from that page: rerun the demo, paste its table, then this;
 - `PROSE_NUMBERS` below: the measurements the docs state in prose (the 10-step run of every trainer on the real
@@ -46,6 +48,14 @@ TOY_SUITE = ROOT / "bench" / "results" / "suite.json"
 #: named time_to_accuracy_<date>; the guide reads the newest. Other protocols (time_to_accuracy_g16_<date>) do not
 #: match.
 TTA_REPORTS = "bench/results/smollm2/time_to_accuracy_[0-9]*/time_to_accuracy.json"
+CRITIC_RESULTS = ROOT / "bench" / "results" / "smollm2_critic"
+#: the critics' trainer memory: name -> (results file, its row, the baseline row, what the baseline is)
+CRITIC_MEMORY = {
+    "ppo": ("memory.json", "ppo_ref", "grpo_ref", "with a reference model"),
+    "ppo_lora": ("memory.json", "ppo_lora_ref", "grpo_ref", "with a reference model"),
+    # past the value pre-training (3 steps): the policy's Adam state exists from the step after it
+    "vapo": ("memory_vapo_3steps.json", "vapo", "grpo", "without a reference model"),
+}
 WIDTH = 118  # the docs' prose width
 BEGIN = "<!-- guide: written by `python bench/guide.py --write` from the docs' measurements and bench/results; edit it there -->"
 END = "<!-- /guide -->"
@@ -56,12 +66,9 @@ TOY_HEADING = "## The quick path: `make demo-toy`"
 #: measurements the docs state in prose: name -> (the text as a docs page has it, the value shown in the guide)
 PROSE_NUMBERS = {
     "grpo_10": ("0.104 -> 0.786", "0.104 -> 0.786"),
-    "ppo_10": ("0.104 -> 0.776", "0.104 -> 0.776"),
     "vapo_10": ("(10 steps, 5 value pre-training steps): 0.104 -> 0.714", "0.104 -> 0.714"),
     "remax_10": ("0.104 -> 0.297, 28% of GRPO's gain", "0.104 -> 0.297"),
     "remax_greedy": ("greedy reward 0.5-1.0 while the sampled reward is 0-0.38", "greedy 0.5-1.0, samples 0-0.38"),
-    "ttrl_first": ("held-out accuracy from 0.042", "0.042"),
-    "ttrl_first_after": ("from 0.042 to 0.031", "0.031"),
     "process_steps": ("ends at 0.481-0.512 held-out digit accuracy", "0.481-0.512"),
     "process_outcome": ("against 0.081-0.391 with only the exact-answer outcome reward", "0.081-0.391"),
     "dapo_keep": ("(keep rate 0.28)", "0.28"),
@@ -124,14 +131,28 @@ def suite_rows(suite: dict) -> dict[str, dict]:
 
 
 def critic_free(real: dict) -> list[algorithms.Algorithm]:
-    """The algorithms that cost about what GRPO costs: no critic, one generation round per step (DAPO's dynamic
-    sampling generates more), measured in the real-model suite."""
-    return [a for a in algorithms.ALGORITHMS.values()
-            if not a.critic and a.name in real and real[a.name].get("rounds_per_step", 1.0) <= 1.0]
+    """The algorithms that cost about what GRPO costs: no critic, no reward of their own (TTRL's vote is a cost of its
+    own), one generation round per step (DAPO's dynamic sampling generates more), measured in the real-model suite."""
+    return [a for a in algorithms.ALGORITHMS.values() if not a.critic and not a.own_reward and not a.baseline
+            and a.name in real and real[a.name].get("rounds_per_step", 1.0) <= 1.0]
+
+
+def critic_memory() -> dict[str, tuple[float, str]]:
+    """name -> (trainer memory against GRPO's, what GRPO ran with) for the critics (`CRITIC_MEMORY`)."""
+    out = {}
+    for name, (path, row, base, what) in CRITIC_MEMORY.items():
+        data = json.loads((CRITIC_RESULTS / path).read_text())
+        out[name] = (data[row]["delta_mb"] / data[base]["delta_mb"], what)
+    return out
+
+
+def _memory(memory: dict, name: str) -> str:
+    ratio, what = memory[name]
+    return f"{ratio:.2f}x the memory of GRPO {what}"
 
 
 # ------------------------------------------------------------------------------------------------ the guide
-def _cost(entry: algorithms.Algorithm, real: dict, toy: dict) -> str:
+def _cost(entry: algorithms.Algorithm, real: dict, toy: dict, memory: dict) -> str:
     if entry.baseline:
         return "1.00x (the reference)"
     row = real.get(entry.name)
@@ -139,8 +160,11 @@ def _cost(entry: algorithms.Algorithm, real: dict, toy: dict) -> str:
         toy_row = toy.get(entry.name)
         return f"not benchmarked on SmolLM2; toy {toy_row['time_ratio']:.2f}x time" if toy_row else "not benchmarked"
     text = f"{row['time_ratio']:.2f}x time, {row['mem_ratio']:.2f}x memory"
-    if entry.critic and entry.name == "ppo":  # the suite's PPO row is the full critic's (PPO's default: LoRA)
-        text += " (full critic)"
+    if entry.critic and entry.name in memory:
+        text = f"{row['time_ratio']:.2f}x time, {_memory(memory, entry.name)}"
+        if entry.name == "ppo":  # the suite's PPO row and its memory are the full critic's (PPO's default: LoRA)
+            text = (f"full critic: {row['time_ratio']:.2f}x time, {_memory(memory, 'ppo')}; LoRA critic (the "
+                    f"default): {_memory(memory, 'ppo_lora')}")
     if row.get("rounds_per_step", 1.0) > 1.0:
         text += (f"; {row['rounds_per_step']:.2f} generation rounds per step, {row['gen_per_trained_token']:.2f} "
                  "generated tokens per trained token")
@@ -163,15 +187,16 @@ def tta_sentence(report: dict) -> str:
              f"seeds (median {summary[m]['time_ratio_median']:.2f}x) and ended at {summary[m]['acc_at_budget']:.3f}"
              for m in report["methods"][1:] if m in summary and summary[m]["seeds"] == seeds]
     return (f"Time to accuracy over {seeds} seeds (SmolLM2-135M-Instruct, the demo's settings; "
-            f"[Benchmarks](benchmarks.md#time-to-accuracy-over-seeds)): {labels[ref]} ends its "
+            f"[Benchmarks](benchmarks/time-to-accuracy.md#time-to-accuracy-over-seeds)): {labels[ref]} ends its "
             f"{report['protocol']['grpo_steps']} steps at a mean "
             f"held-out accuracy of {summary[ref]['acc_at_budget']:.3f}; " + "; ".join(parts) + " in the same time.")
 
 
 def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[str, dict]] | None = None,
-           tta: dict | None = None) -> str:
+           tta: dict | None = None, memory: dict | None = None) -> str:
     """The guide's Markdown (between its markers) from the demo page, the two suites and the pages' guide rows."""
     rows = guide_rows() if rows is None else rows
+    memory = critic_memory() if memory is None else memory
     values = {name: shown for name, (_, shown) in PROSE_NUMBERS.items()}
     for name, (before, after) in toy_results(demo_page).items():
         values[f"toy_{name}"] = f"{before:.2f} -> {after:.2f}"
@@ -186,7 +211,7 @@ def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[s
         " trainer, on the algorithms' pages, and `make demo`), the toy is `make demo-toy` (sampled reward after 40"
         " steps; both on [Getting started](getting-started.md)). Costs are `make bench-smollm2`"
         f" ({real_suite['machine']['date']}, {real_suite['machine']['cores']} CPU cores, ratios to TRL's `GRPOTrainer`"
-        " in the same run; on a GPU the critic's memory matters more than its time; [Benchmarks](benchmarks.md))."
+        " in the same run; on a GPU the critic's memory matters more than its time; [Benchmarks](benchmarks/index.md))."
         " Small runs on small models: they show direction and cost, not a ranking."
     )
     lines = [
@@ -200,18 +225,19 @@ def render(demo_page: str, real_suite: dict, toy_suite: dict, rows: list[tuple[s
     for name, row in rows:
         entry = algorithms.REGISTRY[name]
         lines.append(f"| [`{name}`]({entry.doc_page}) | {row['when']} | {row['paper']} | "
-                     f"{row['measured'].format(**values)} | {_cost(entry, real, toy)} | {row['watch'].format(**values)} |")
+                     f"{row['measured'].format(**values)} | {_cost(entry, real, toy, memory)} | {row['watch'].format(**values)} |")
     free = critic_free(real)
     ratios = [real[a.name]["time_ratio"] for a in free]
     critics = [a for a in algorithms.ALGORITHMS.values() if a.critic and a.name in real]
+    own = [a for a in algorithms.ALGORITHMS.values() if a.own_reward and a.name in real]
     keep_rounds = [real[a.name]["rounds_per_step"] for a in algorithms.ALGORITHMS.values()
                    if a.name in real and real[a.name].get("rounds_per_step", 1.0) > 1.0]
     costs = (
         f"Costs in one line: the critic-free trainers ({', '.join(a.label for a in free)}) cost about what"
         f" {baseline.label} costs" + (f" ({min(ratios):.2f}-{max(ratios):.2f}x its step time)" if ratios else "")
-        + (f"; {' and '.join(a.label for a in critics)} hold a second full model, the critic, with its optimizer state"
-           f" ({'; '.join(f'{a.label}: {_cost(a, real, toy)}' for a in critics)})" if critics else "")
-        + f"; PPO's default LoRA critic costs {values['ppo_lora_mem']} the memory of GRPO with a reference model"
+        + "".join(f"; {a.label}'s vote costs {real[a.name]['time_ratio']:.2f}x {baseline.label}'s step time" for a in own)
+        + (f"; {' and '.join(a.label for a in critics)} with a full critic hold a second full model with its optimizer"
+           f" state ({'; '.join(f'{a.label}, {_cost(a, real, toy, memory)}' for a in critics)})" if critics else "")
         + f"; DAPO pays in generation: at a keep rate of {values['dapo_keep']} (the share of groups with a reward"
         " spread)" + (f" it needed {keep_rounds[0]:.2f} rounds per step" if keep_rounds else "")
         + ", fewer when the data suits the model."

@@ -59,6 +59,31 @@ def test_docs_build_strictly_and_offline(tmp_path):
     assert (site / "assets" / "mathjax" / "config" / "TeX-AMS-MML_HTMLorMML-full.js").exists()
     dapo = (site / "algorithms" / "dapo.html").read_text()
     assert 'class="arithmatex"' in dapo and "L_{\\text{cache}}" in dapo
+    _check_api_pages(site)
+
+
+def _api_text(page: str) -> str:
+    """The text of the mkdocstrings objects of a built page (signatures and docstrings)."""
+    import html
+
+    return "\n".join(html.unescape(re.sub(r"<[^>]+>", "", m[0])) for m in re.finditer(
+        r'<div class="doc doc-object[\s\S]*?(?=<div class="doc doc-object|</article>)', page))
+
+
+def _check_api_pages(site: Path) -> None:
+    """The API as users read it: docstrings without issue numbers, private names or raw docs paths; signatures one
+    parameter a line when Ruff (the `docs` extra) is there to format them."""
+    pages = sorted((site / "algorithms").glob("*.html")) + sorted((site / "api").glob("*.html"))
+    for path in pages:
+        text = _api_text(path.read_text())
+        for pattern in (r"[Ii]ssue \d+", r"\bdocs/[\w/-]+\.md", r"(?<![\w.~])_[a-z]{2,}\w*"):
+            found = re.search(pattern, text)
+            assert found is None, f"{path.name}: {found[0]!r} in a public docstring"
+    if importlib.util.find_spec("ruff") is not None:  # mkdocstrings formats signatures with it
+        dapo = (site / "algorithms" / "dapo.html").read_text()
+        signature = re.search(r'<div class="doc-signature[\s\S]*?</pre>', dapo[dapo.index('id="trl_ppo_variants.trainers.dapo.DAPOConfig"'):])
+        lines = re.sub(r"<[^>]+>", "", signature[0]).splitlines()
+        assert len(lines) > 10 and max(map(len, lines)) <= 100, lines[:3]
 
 
 # ------------------------------------------------------------------------------------------------ the guide
@@ -94,9 +119,11 @@ def test_the_guide_follows_the_numbers():
     changed = copy.deepcopy(real)
     critic = next(a for a in algorithms.ALGORITHMS.values() if a.critic)
     row = next(r for r in changed["results"] if r["name"] == critic.name)
-    row["time_ratio"], row["mem_ratio"] = 2.345, 1.987
-    text = guide.render(page, changed, toy)
-    assert "2.35x time, 1.99x memory" in text and "2.35x time, 1.99x memory" not in guide.render(page, real, toy)
+    row["time_ratio"] = 2.345
+    memory = {**guide.critic_memory(), critic.name: (1.987, "with a reference model")}  # the critics' memory runs
+    text = guide.render(page, changed, toy, memory=memory)
+    shown = "2.35x time, 1.99x the memory of GRPO with a reference model"
+    assert shown in text and shown not in guide.render(page, real, toy)
     name = next(n for n in guide.toy_results(page) if n != critic.name)
     rewritten = re.sub(rf"^{name}(\s+)0\.47 -> [\d.]+", rf"{name}\g<1>0.47 -> 0.99", page, flags=re.M)
     assert guide.toy_results(rewritten)[name] == (0.47, 0.99)
@@ -228,3 +255,75 @@ def test_the_guide_states_the_multi_seed_time_to_accuracy():
     assert "ends its 12 steps at a mean held-out accuracy of 0.400" in text
     assert "DAPO reached it by half that time on 4 of 5 seeds (median 0.31x) and ended at 0.600" in text
     assert "overlong_penalty" not in text  # a variant run on 2 of the 5 seeds stays on the benchmarks page
+
+
+def test_paper_settings_said_to_be_a_recipe_are_the_recipe():
+    """A page that says its "Reproducing the paper" block is the shipped recipe shows the recipe's values: every field of
+    the block is the recipe's (PPO's page: the paper's clip, GAE and value loss with verl's GSM8K KL and critic rate)."""
+    import ast
+
+    import yaml
+
+    checked = 0
+    for page, entries in generate.pages().items():
+        text = (DOCS / page).read_text()
+        for entry in entries:
+            marker = f"<!-- paper-settings {entry.name} -->"
+            if marker not in text:
+                continue
+            before = text[: text.index(marker)].rsplit("\n\n", 2)[-2:]
+            recipe_path = f"recipes/{entry.name}.yaml"
+            if not any(f"`{recipe_path}`" in part for part in before):
+                continue
+            block = generate.paper_settings(text, entry.name).split("\n", 1)[1].rsplit("```", 1)[0]
+            call = ast.parse(block).body[0].value
+            recipe = yaml.safe_load((ROOT / recipe_path).read_text())
+            for keyword in call.keywords:
+                assert keyword.arg in recipe, (page, keyword.arg)
+                assert ast.literal_eval(keyword.value) == recipe[keyword.arg], (page, keyword.arg, recipe[keyword.arg])
+            checked += 1
+    assert checked >= 1
+
+
+def test_the_docs_build_imports_nothing_heavy():
+    """`make docs` builds in a virtualenv without torch or TRL (docs/_tools/requirements.py installs the `docs` extra
+    alone): the build's hooks, its griffe extension and what they import must not need them."""
+    code = ("import sys; sys.path.insert(0, 'docs/_tools'); import hooks, griffe_hf, generate, requirements; "
+            "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'trl', 'transformers', 'deepspeed', "
+            "'accelerate', 'datasets', 'numpy'}); print(','.join(heavy))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "", f"the docs build imports {run.stdout.strip()}"
+    requirements = _load("requirements", DOCS / "_tools" / "requirements.py")
+    extra = requirements.docs_requirements((ROOT / "pyproject.toml").read_text())
+    assert any(r.startswith("mkdocs") for r in extra) and not any(r.split("[")[0].split(">")[0].split("=")[0] in (
+        "torch", "trl", "transformers") for r in extra)
+
+
+def test_every_algorithm_page_shows_its_customisation_and_metrics():
+    """Each algorithm page shows its own reward function, vLLM and SLURM (generated with its classes: the code is valid
+    against them) and the metrics its trainer logs, their meanings taken from the Logging page's table."""
+    for page, entries in generate.pages().items():
+        text = (DOCS / page).read_text()
+        assert "<!-- generated: customisation -->" in text and "<!-- generated: metrics " in text, page
+        shown = generate.customisation(page)
+        for code in doc_blocks.blocks(shown, "python"):
+            assert doc_blocks.python_problems(code) == [], (page, code)
+        prefixes = re.search(r"<!-- generated: metrics (\S+) -->", text)[1]
+        table = generate.logged_metrics(prefixes, page)
+        assert table.count("\n| `") >= len(prefixes.split(",")) - 1, page
+    with pytest.raises(ValueError, match="starts with"):
+        generate.logged_metrics("value/,no_such_metric/", "algorithms/ppo.md")
+
+
+def test_a_folded_result_table_is_indented_and_leaves_the_table_of_contents():
+    """`<!-- results: PATH -->` indented under `??? note` shows the file inside the fold: every line indented as the
+    marker, its headings bold lines (the page's table of contents stays its own); unindented, the file as it is."""
+    path = "smollm2/time_to_accuracy_2026-12-06/time_to_accuracy_steps.md"
+    folded = generate.expand(f'??? note "logs"\n\n    <!-- results: {path} -->\n', "benchmarks/x.md")
+    body = folded.split("\n", 2)[2]
+    assert all(line.startswith("    ") for line in body.splitlines() if line)
+    assert not re.search(r"^\s*#", body, flags=re.M) and "**" in body
+    plain = generate.expand(f"<!-- results: {path} -->\n", "benchmarks/x.md")
+    assert re.search(r"^#+ ", plain, flags=re.M)

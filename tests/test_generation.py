@@ -528,7 +528,7 @@ def test_docs_state_the_measured_bound():
                shown(smollm2["bf16"]["max_token"]), shown(smollm2["bf16"]["max_sequence"]),
                shown(smollm2["bf16"]["max_abs_kl"]), shown(smollm2["fp32"]["max_token"])]
     kl_page = (ROOT / "docs" / "concepts" / "kl.md").read_text()
-    benchmarks = (ROOT / "docs" / "benchmarks.md").read_text()
+    benchmarks = (ROOT / "docs" / "benchmarks" / "cost.md").read_text()
     reliability = (ROOT / "docs" / "reliability.md").read_text()
     sections = {
         "docs, KL page": _section(kl_page, "A KL in the reward needs the sampling policy's", "`RLOOConfig`"),

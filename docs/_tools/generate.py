@@ -156,8 +156,77 @@ def recipe_table() -> str:
     return "\n".join(lines)
 
 
+LOGGING = DOCS / "how-to" / "logging.md"
+
+
+def customisation(page: str) -> str:
+    """The worked customisation of an algorithm page, as TRL's trainer pages show it: a reward function of one's own,
+    generation with vLLM (colocate, server) and several nodes under SLURM, with the page's own classes. The details
+    live on the how-to pages, linked."""
+    entry = pages()[page][0]
+    preset = "".join(f", {k}={v!r}" for k, v in entry.preset if v is not False)
+    link = lambda target: _rel(target, page)  # noqa: E731
+    out = ["### A reward function of your own", ""]
+    if entry.own_reward:
+        out += [f"{entry.label} makes its own reward (the majority vote of each prompt's samples): it takes no "
+                "reward function, and refuses one that reads the ground truth. What it needs is an answer extractor "
+                f"([Command line and recipes]({link('how-to/cli.md')}#your-own-data-and-rewards)).", ""]
+    else:
+        out += ["A reward function takes the completions and the dataset's columns as keyword arguments and returns "
+                "one float per completion (`None` for a completion it cannot score), as for `trl.GRPOTrainer`:", "",
+                "```python",
+                f"from trl_ppo_variants import {entry.config}, {entry.trainer}",
+                "",
+                "",
+                "def ends_with_answer(completions, answer, **kwargs):  # `answer` is a column of the dataset",
+                "    return [float(c.strip().endswith(a)) for c, a in zip(completions, answer)]",
+                "",
+                "",
+                f"trainer = {entry.trainer}(model=\"Qwen/Qwen3-0.6B\", reward_funcs=[ends_with_answer],",
+                f"    args={entry.config}(output_dir=\"out\"{preset}), train_dataset=dataset)",
+                "```", ""]
+        if entry.step_rewards:
+            out += ["Step rewards come through `step_reward_funcs` or a process reward model "
+                    f"([Process supervision]({link('concepts/process-supervision.md')})).", ""]
+    out += ["### Generation with vLLM", "",
+            f"`{entry.config}(use_vllm=True, vllm_mode=\"colocate\")` runs the engine inside the training processes; "
+            "`vllm_mode=\"server\"` sends generation to a `trl vllm-serve` process on GPUs of its own. Both as for "
+            f"`trl.GRPOTrainer`; what this trainer sends through the engine: [vLLM]({link('how-to/vllm.md')}).", "",
+            "### Several nodes under SLURM", "",
+            f"`accelerate launch` on every node, with a config of `recipes/accelerate/` and the node's rank, runs "
+            f"`trl-ppo-variants {entry.name} --config recipes/{entry.name}.yaml`; under SLURM one task per node starts "
+            f"it: [Distributed training]({link('how-to/distributed.md')}#several-nodes).", ""]
+    return "\n".join(out).rstrip()
+
+
+def _cells(row: str) -> list[str]:
+    """The cells of a Markdown table row (`\\|` inside a cell is text)."""
+    return [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip())[1:-1]]
+
+
+def logged_metrics(prefixes: str, page: str) -> str:
+    """The rows of the Logging page's metric table whose metrics start with one of `prefixes` (comma-separated): an
+    algorithm page shows what its trainer logs with the meanings written once, on the Logging page."""
+    wanted = prefixes.split(",")
+    rows = [line for line in LOGGING.read_text().splitlines() if line.startswith("| `")]
+    out, used = ["| metric | logged by | what it means |", "|---|---|---|"], set()
+    for row in rows:
+        metric, logged_by, meaning = _cells(row)
+        names = re.findall(r"`([^`]+)`", metric)
+        hits = {p for p in wanted for name in names if name.startswith(p)}
+        if hits:
+            used |= hits
+            out.append(f"| {metric} | {logged_by} | {meaning} |")
+    if used != set(wanted):
+        raise ValueError(f"no metric of {LOGGING.relative_to(ROOT)} starts with {sorted(set(wanted) - used)}")
+    link = _rel("how-to/logging.md", page)
+    return "\n".join(out) + f"\n\nTRL's own metrics (`reward`, `reward_std`, `entropy`, `completions/...`, `clip_ratio/...`) are logged as well: [Logging]({link})."
+
+
 # ------------------------------------------------------------------------------------------------ results
-RESULT_MARKER = re.compile(r"^<!-- results: (?P<path>\S+) -->$", re.M)
+#: a results file shown in a page; an indented marker (inside a `??? note` admonition, to fold a long table) indents
+#: what it shows as much
+RESULT_MARKER = re.compile(r"^(?P<indent>[ \t]*)<!-- results: (?P<path>\S+) -->$", re.M)
 
 
 def result_block(path: str) -> str:
@@ -175,7 +244,7 @@ def included_results() -> set[str]:
     """The bench/results files some docs page includes."""
     found = set()
     for page in DOCS.rglob("*.md"):
-        found |= set(RESULT_MARKER.findall(page.read_text()))
+        found |= {match["path"] for match in RESULT_MARKER.finditer(page.read_text())}
     return found
 
 
@@ -197,10 +266,20 @@ def expand(text: str, page: str) -> str:
             return paper_index(page)
         if name == "recipes":
             return recipe_table()
+        if name == "customisation":
+            return customisation(page)
+        if name == "metrics":
+            return logged_metrics(arg, page)
         raise ValueError(f"{page}: unknown generated block {name!r}")
 
     text = MARKER.sub(generated, text)
-    return RESULT_MARKER.sub(lambda m: result_block(m["path"]), text)
+    def results(match: re.Match) -> str:
+        block = result_block(match["path"])
+        if match["indent"]:  # folded: its headings become bold lines, so the table of contents stays the page's own
+            block = re.sub(r"^#{1,6} (.+)$", r"**\1**", block, flags=re.M)
+        return "\n".join(match["indent"] + line if line else line for line in block.split("\n"))
+
+    return RESULT_MARKER.sub(results, text)
 
 
 #: file -> generated regions it holds, and how each is written there

@@ -124,8 +124,8 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
     1. Clip-Higher (`epsilon=0.2`, `epsilon_high=0.28`) and the token-level loss (`loss_type="dapo"`): TRL's;
     2. overlong reward shaping (Eq. 13): `trl.rewards.get_soft_overlong_punishment(max_completion_length,
        L_cache)` added to each completion's reward for its advantage (weight 1, also when `reward_weights` is given),
-       outside TRL's reward list: it is an extra column of the reward table the advantages are computed from
-       (`_captured_rewards_per_func`), not a reward function, so every TRL reward API behaves as with
+       outside TRL's reward list: it is an extra column of the reward table the advantages are computed from, not a
+       reward function, so every TRL reward API behaves as with
        `trl.GRPOTrainer`, and the dynamic-sampling filter never sees it;
     3. dynamic sampling (Eq. 11): after scoring, the groups whose `filter_metric` has std <= `filter_std_eps` are
        dropped and fresh prompts are generated and scored until the batch holds
@@ -152,8 +152,8 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
 
     Every process decides from the gathered rewards (identical everywhere), so all agree on the number of rounds;
     the kept groups are then split evenly over the processes (a group may span two of them, as in TRL).
-    TRL's `_prepare_inputs` shuffles and splits the batch into `steps_per_generation` slices as usual, and reuses it
-    for `num_iterations` passes.
+    TRL then shuffles and splits the batch into `steps_per_generation` slices as usual, and reuses it for
+    `num_iterations` passes.
 
     **Exhaustion** (`max_generation_rounds` reached without a full batch): the step trains on the kept groups,
     rounded down to a multiple of `selection.group_multiple(G, num_processes, steps_per_generation)` so that every
@@ -171,7 +171,7 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
     `dapo/prompts_skipped` (GRESO) as every selection logs them. TRL's own metrics (`reward`, `completions/*`)
     average over every round generated.
 
-    **Generation backends**: every round calls TRL's own `_generate_and_score_completions` with its prompts laid
+    **Generation backends**: every round calls TRL's own generation and scoring with its prompts laid
     out as TRL's `RepeatSampler` lays them out (each prompt's rows consecutive, split evenly over the processes), so
     it uses whatever backend TRL uses: HF `generate`, transformers continuous batching, vLLM colocate or server (vLLM
     weights are synced once per optimizer step, so every round of a step samples from the same policy). Only HF

@@ -118,10 +118,8 @@ class PPOConfig(StepRewardFields, VariantConfig):
             default KL in the reward loads one), the reference model's weights; otherwise (no reference,
             `sync_ref_model=True`, `value_model_path`, DeepSpeed ZeRO-3) a frozen copy. The trainer's `critic_base`
             says which. `"full"`: the critic trains a copy of the backbone (its own gradients and optimizer state).
-            The default since issue 28: on SmolLM2 (the demo's 8 steps, seeds 0-3) the LoRA critic's mean held-out
-            gain was +0.119 against the full critic's +0.021 (higher on 3 seeds of 4; not a significant difference),
-            at 1.02x the memory of GRPO with a reference model against 1.56x (docs/concepts/critic.md). VAPO keeps
-            `"full"`.
+            `"lora"` is the default because on SmolLM2 it learned at least as well as the full critic at a fraction
+            of its memory: the measurements are on the docs' page "The critic". VAPO keeps `"full"`.
         critic_lora_r (`int`, *optional*, defaults to `16`):
             Rank of the LoRA critic's adapter.
         critic_lora_alpha (`float`, *optional*, defaults to `32`):

@@ -124,14 +124,14 @@ class ReMaxTrainer(VariantTrainer):
     - `transformers` generation: one greedy row per prompt is appended to the sampling `generate` call (decoding
       cost is mostly per step, not per row: ~(1 + 1/G)x a GRPO generation instead of ~1.6x for a second call),
       forced to argmax by an in-place logits processor, and stripped before the rest of TRL sees the batch. Tool
-      turns (`_generate_single_turn` called again by TRL's tool loop) get no greedy rows.
+      turns (the later generations of TRL's tool loop) get no greedy rows.
     - vLLM (server or colocate): a second request with `temperature=0` for the greedy rows (vLLM takes one
       sampling-params set per request).
     - Vision-language models: each greedy row carries its prompt's images (`greedy_row_images`): its image inputs
       (`pixel_values`, `image_grid_thw`, `token_type_ids`, ...) are appended to the sampled rows' for `generate`,
       and its image list goes with it in vLLM's greedy request.
     - `use_transformers_continuous_batching`, `rollout_func` and `environment_factory` are refused at construction
-      (they bypass or re-route `_generate_single_turn`).
+      (they bypass or re-route the generation call the greedy rows ride in).
     - With `tools`, the greedy completion is the first turn only: its tool calls are not executed. The baseline is
       still unbiased but weaker; a warning says so.
 

@@ -61,9 +61,9 @@ class VAPOConfig(PPOConfig):
       model. With rule-based rewards there is no reward model: the critic is initialised from the policy (a new scalar
       head on the policy's backbone), or from `value_model_path` when given, then pre-trained on the rule rewards.
     - Critic backbone: `critic_backbone="full"` (the paper trains a full value model), unlike PPO's `"lora"` default.
-      On SmolLM2 (the demo's settings, seeds 0-1) VAPO's LoRA critic gained 23% of its full critic's held-out gain:
-      the length-adaptive lambda makes short completions' advantages one-step TD errors of the critic
-      (docs/concepts/critic.md).
+      On SmolLM2 (the demo's settings) VAPO's LoRA critic learned far less than its full critic: the
+      length-adaptive lambda makes short completions' advantages one-step TD errors of the critic (the docs' page
+      "The critic" has the measurements).
     - "Correct" completions for the positive-example loss: total (weighted) reward >= `positive_reward_threshold`
       (default 1.0, the reward of a correct answer under TRL's `accuracy_reward` and the paper's +1/-1 verifier), or,
       with `positive_reward_func`, that reward function's own reward >= the threshold (use this when a format reward
