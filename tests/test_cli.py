@@ -211,6 +211,15 @@ def test_unknown_reward_function(tmp_path, toy_model_dir, toy_jsonl, capsys, no_
     _one_line_error(capsys, cli.main(["rloo", *args]), "has no function 'no_such_reward'")
 
 
+def test_dapo_refuses_the_overlong_reward_it_applies_itself(tmp_path, toy_model_dir, toy_jsonl, capsys):
+    """`dapo --reward_funcs <task> overlong` would apply the overlong penalty twice: a one-line error."""
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    args.insert(args.index(REWARD) + 1, "overlong")
+    args[args.index("--max_completion_length") + 1] = "10"
+    _one_line_error(capsys, cli.main(["dapo", *args]),
+                    "overlong_penalty: expected False when reward_funcs holds an overlong penalty")
+
+
 def test_model_path_that_does_not_exist(tmp_path, toy_jsonl, capsys, no_model_load):
     _one_line_error(capsys, cli.main(["rloo", *_base(str(tmp_path / "no_model"), toy_jsonl, tmp_path)]),
                     "model_name_or_path", "no such directory", "no_model")
