@@ -524,8 +524,9 @@ class VariantTrainer(GRPOTrainer):
         create_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
 
     def extra_state(self) -> dict:
-        """State of a subclass saved with every checkpoint (per process) and given back to `load_extra_state` on
-        resume, e.g. a refill sampler's position or a pre-training counter. Values: tensors and Python containers."""
+        """State of a subclass that belongs to the run, the same on every process (e.g. a refill sampler's
+        position): saved with every checkpoint and given back to `load_extra_state` on every process of the resumed
+        run, whatever their number. Values: tensors and Python containers."""
         return {}
 
     def load_extra_state(self, state: dict) -> None:
