@@ -64,7 +64,9 @@ def run(kind, model_dir, steps, seed, out_dir):
     if kind == "grpo":
         trainer = GRPOTrainer(model_dir, addition_reward, args=GRPOConfig(**common), train_dataset=data)
     else:
-        args = DAPOConfig(dynamic_sampling=(kind == "dapo"), max_generation_rounds=0, **common)
+        # 4 tokens leave the overlong shaping no cache (it would penalise nothing, which DAPOConfig refuses)
+        args = DAPOConfig(dynamic_sampling=(kind == "dapo"), max_generation_rounds=0, overlong_penalty=False,
+                          **common)
         trainer = DAPOTrainer(model_dir, addition_reward, args=args, train_dataset=data)
     tokens = _Tokens(trainer)
     # CPU time of this (single-threaded) process: robust to other jobs sharing the machine, unlike wall time

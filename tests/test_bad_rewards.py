@@ -21,9 +21,10 @@ NAMES = [n for n in available_specs() if n != "vapo_pretrain"]
 # VAPO: one value pre-training step, so that the policy is trained at step 2; TTRL: the test rewards read the
 # `answer` column, which TTRL refuses unless told (it is label-free)
 OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "ttrl": {"allow_labelled_rewards": True}}
-# one reward call per step of 8 completions (ReMax scores its greedy rows in a second call, DAPO refills, TTRL
-# votes): the logged count is exactly 4; for the others it is a mean over calls, and positive
-ONE_CALL = {"grpo", "rloo", "rloo_kl", "reinforce_pp", "reinforce_pp_baseline", "ppo", "vapo", "process_grpo"}
+# one counted reward call per step of 8 completions (ReMax's second call, for its greedy rows, is not counted): the
+# logged count is exactly 4; for the others (DAPO refills, TTRL votes) it is a mean over calls, and positive
+ONE_CALL = {"grpo", "rloo", "rloo_kl", "remax", "reinforce_pp", "reinforce_pp_baseline", "ppo", "vapo",
+            "process_grpo"}
 
 
 def flaky_reward(completions, answer, **kwargs):

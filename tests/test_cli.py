@@ -136,6 +136,25 @@ def test_yaml_then_command_line_override(tmp_path):
     assert os.environ.pop("TRL_PPO_VARIANTS_TEST_ENV") == "7"  # TrlParser's `env:` section
 
 
+def test_config_with_an_equals_sign_reads_the_recipe(tmp_path, capsys, no_model_load):
+    """`--config=PATH` is `--config PATH`: the same parsed run, and the recipe's keys are checked."""
+    import dataclasses
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("learning_rate: 1.0e-6\nnum_generations: 4\nbeta: 0.1\nmax_completion_length: 33\n"
+                      "reward_funcs: [math_accuracy]\n")
+    common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
+    spaced = parse("rloo", ["--config", str(recipe), *common])
+    joined = parse("rloo", [f"--config={recipe}", *common])
+    assert joined[1].max_completion_length == 33 and joined[0].reward_funcs == ["math_accuracy"]
+    for a, b in zip(spaced, joined):
+        assert dataclasses.asdict(a) == dataclasses.asdict(b)
+    recipe.write_text("learnig_rate: 1.0e-6\n")
+    _one_line_error(capsys, cli.main(["rloo", f"--config={recipe}", *common]), "unknown field 'learnig_rate'",
+                    str(recipe))
+    _one_line_error(capsys, cli.main(["rloo", "--config=", *common]), "--config: no such recipe file ''")
+
+
 def test_reinforce_pp_baseline_name_presets_baseline(tmp_path):
     pytest.importorskip("trl_ppo_variants.trainers.reinforce_pp", reason="REINFORCE++ trainer not installed")
     common = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--bf16", "false"]
@@ -190,6 +209,15 @@ def test_unknown_reward_function(tmp_path, toy_model_dir, toy_jsonl, capsys, no_
     _one_line_error(capsys, cli.main(["rloo", *args]), "cannot import module 'no_such_module_xyz'")
     args[args.index("no_such_module_xyz:reward")] = "trl_ppo_variants.toy:no_such_reward"
     _one_line_error(capsys, cli.main(["rloo", *args]), "has no function 'no_such_reward'")
+
+
+def test_dapo_refuses_the_overlong_reward_it_applies_itself(tmp_path, toy_model_dir, toy_jsonl, capsys):
+    """`dapo --reward_funcs <task> overlong` would apply the overlong penalty twice: a one-line error."""
+    args = _base(toy_model_dir, toy_jsonl, tmp_path)
+    args.insert(args.index(REWARD) + 1, "overlong")
+    args[args.index("--max_completion_length") + 1] = "10"
+    _one_line_error(capsys, cli.main(["dapo", *args]),
+                    "overlong_penalty: expected False when reward_funcs holds an overlong penalty")
 
 
 def test_model_path_that_does_not_exist(tmp_path, toy_jsonl, capsys, no_model_load):

@@ -124,3 +124,49 @@ def test_every_trainer_is_covered():
     algorithms = {TRAINER_SPECS[n][0] for n in AVAILABLE}
     covered = {TRAINER_SPECS[c[0]][0] for c in CASES if c[0] in AVAILABLE}
     assert {a for a in algorithms if "remax" not in a} <= covered  # ReMax adds no numeric field
+
+
+#: (trainer spec, field, value): fields of TRL's GRPOConfig whose values TRL 1.16 checks late (at the first step, or
+#: never) or raw (a TypeError); ours refuse them at construction. The valid values are those TRL's GRPOTrainer
+#: branches on. (REINFORCE++ takes None for `beta` and `kl_in_reward_coef`: its defaults.)
+TRL_FIELD_CASES = [
+    ("rloo", "beta", None),
+    ("ppo", "beta", None),
+    ("ppo", "kl_in_reward_coef", None),
+    ("remax", "kl_in_reward_coef", None),
+    ("grpo", "loss_type", "ppo"),
+    ("grpo", "scale_rewards", "std"),
+    ("grpo", "scale_rewards", "true"),  # a string, as a command line gives it: not TRL's True
+    ("grpo", "importance_sampling_level", "tokens"),
+    ("grpo", "vllm_importance_sampling_mode", "token"),
+    ("grpo", "top_entropy_quantile", 1.5),
+    ("grpo", "top_entropy_quantile", -0.1),
+]
+
+
+@pytest.mark.parametrize("name, field, value", TRL_FIELD_CASES,
+                         ids=[f"{n}-{f}={v!r}" for n, f, v in TRL_FIELD_CASES])
+def test_trl_field_values_are_refused_at_construction(name, field, value, tmp_path):
+    from conftest import toy_args
+
+    with pytest.raises(ValueError) as err:
+        toy_args(load_spec(name)[0], tmp_path, **{field: value})
+    message = str(err.value)
+    assert "\n" not in message, message
+    assert message.startswith(f"{field}: expected") and message.endswith(f"got {value!r}"), message
+
+
+def test_every_value_trl_accepts_still_constructs(tmp_path):
+    from conftest import toy_args
+
+    from trl_ppo_variants.losses import LOSS_TYPES
+    from trl_ppo_variants.trainers.grpo import GRPOConfig
+
+    valid = [("loss_type", v) for v in LOSS_TYPES] + [("scale_rewards", v) for v in ("group", "batch", "none")]
+    valid += [("scale_rewards", True), ("scale_rewards", False), ("importance_sampling_level", "sequence"),
+              ("top_entropy_quantile", 0.0), ("top_entropy_quantile", 0.2), ("beta", 0.1)]
+    valid += [("vllm_importance_sampling_mode", v)
+              for v in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")]
+    for field, value in valid:
+        toy_args(GRPOConfig, tmp_path, **{field: value})
+    assert toy_args(GRPOConfig, tmp_path, scale_rewards=False).scale_rewards == "none"  # TRL's own mapping

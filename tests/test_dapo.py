@@ -65,6 +65,26 @@ def test_bad_config_names_the_field(tmp_path, field, value):
         toy_args(DAPOConfig, tmp_path, **{field: value})
 
 
+@pytest.mark.parametrize("overrides, field", [
+    ({"max_completion_length": 10, "overlong_cache_length": 0}, "overlong_cache_length"),
+    ({"max_completion_length": 4, "overlong_penalty": True}, "max_completion_length"),  # default cache: 4 // 5 = 0
+])
+def test_overlong_shaping_that_penalises_nothing_is_an_error(tmp_path, overrides, field):
+    """With a cache of 0 tokens DAPO's shaping penalises nothing (no completion exceeds max_completion_length): an
+    error, not a no-op, by the rule the CLI applies to the `overlong` reward (`overlong_cache_tokens`)."""
+    from trl_ppo_variants.trainers.dapo import overlong_cache_tokens
+
+    with pytest.raises(ValueError, match=rf"^{field}: expected .*penalises nothing") as err:
+        toy_args(DAPOConfig, tmp_path, **overrides)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError) as same:
+        overlong_cache_tokens(overrides["max_completion_length"], overrides.get("overlong_cache_length"),
+                              "overlong_penalty=True")
+    assert str(same.value) == str(err.value)
+    toy_args(DAPOConfig, tmp_path, **{**overrides, "overlong_penalty": False})  # no shaping: nothing to refuse
+    assert toy_args(DAPOConfig, tmp_path, max_completion_length=5).effective_overlong_cache_length == 1
+
+
 # ------------------------------------------------------------------------------------------------ overlong shaping
 def test_soft_overlong_punishment_three_regimes_and_boundaries():
     """DAPO Eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, linear from 0 to -1 over (6, 10], -1 beyond."""
@@ -158,13 +178,36 @@ def test_trainer_level_config_errors(tmp_path, toy_model_dir, toy_dataset):
                     train_dataset=toy_dataset)
     with pytest.raises(ValueError, match=r"^overlong_penalty: expected False"):
         DAPOTrainer(toy_model_dir, [addition_reward, get_soft_overlong_punishment(4, 0)],
-                    args=toy_args(DAPOConfig, tmp_path), train_dataset=toy_dataset)
+                    args=toy_args(DAPOConfig, tmp_path, overlong_cache_length=2), train_dataset=toy_dataset)
     with pytest.raises(ValueError, match=r"^dynamic_sampling: expected True with prompt_selection='speed'"):
         toy_args(DAPOConfig, tmp_path, dynamic_sampling=False, prompt_selection="speed")
     with pytest.raises(TypeError, match="DAPOConfig"):
         from trl import GRPOConfig
 
         DAPOTrainer(toy_model_dir, addition_reward, args=toy_args(GRPOConfig, tmp_path), train_dataset=toy_dataset)
+
+
+@pytest.mark.parametrize("which", ["builtin", "renamed", "trl"])
+def test_an_overlong_reward_is_refused_while_dapos_shaping_is_on(tmp_path, toy_model_dir, toy_dataset, which):
+    """The package's own `overlong` reward (by its type, whatever its name) and TRL's soft overlong punishment would
+    apply the penalty a second time: refused at construction in one line naming the field. With the shaping off the
+    reward is the user's, but not a task column (the filter and the unscorable guard read the task)."""
+    from trl_ppo_variants.rewards import overlong_reward
+
+    penalty = get_soft_overlong_punishment(10, 2) if which == "trl" else overlong_reward(10, 2)
+    if which == "renamed":
+        penalty.__name__ = "length_penalty"
+    args = toy_args(DAPOConfig, tmp_path, max_completion_length=10)
+    with pytest.raises(ValueError, match=r"^overlong_penalty: expected False when reward_funcs holds an overlong "
+                                         r"penalty \(.*\), got True$") as err:
+        DAPOTrainer(toy_model_dir, [addition_reward, penalty], args=args, train_dataset=toy_dataset)
+    assert "\n" not in str(err.value)
+    args = toy_args(DAPOConfig, tmp_path, max_completion_length=10, overlong_penalty=False)
+    trainer = DAPOTrainer(toy_model_dir, [addition_reward, penalty], args=args, train_dataset=toy_dataset)
+    assert trainer.scorable_columns() == [0]
+    rpf = torch.tensor([[1.0, -1.0], [0.0, 0.0], [float("nan"), -0.5]])
+    values = trainer.filter_values(rpf)
+    assert values[:2].tolist() == [1.0, 0.0] and torch.isnan(values[2])
 
 
 # ------------------------------------------------------------------------------------------------ batch assembly
@@ -617,7 +660,7 @@ def test_normalize_then_sum_advantages_of_the_trained_rows(tmp_path, toy_model_d
 
     args = toy_args(DAPOConfig, tmp_path, max_steps=1, dynamic_sampling=dynamic_sampling, temperature=1.5,
                     multi_objective_aggregation="normalize_then_sum", reward_weights=[1.0, 0.5],
-                    max_generation_rounds=4)
+                    max_generation_rounds=4, overlong_cache_length=2)
     trainer = DAPOTrainer(toy_model_dir, [addition_reward, length], args=args, train_dataset=toy_dataset)
     seen = []
     estimate = trainer.compute_advantages

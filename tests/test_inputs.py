@@ -52,13 +52,14 @@ def test_overlong_rewards_take_dapos_cache_rule(tmp_path):
     _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", "100", "--overlong_cache_length", "7"])
     assert inputs.resolve_reward("overlong", dapo).soft_punish_cache == 7
     _, short, _, _ = parse("rloo", [*common, "--max_completion_length", "4"])
-    with pytest.raises(inputs.CLIError, match="reward_funcs: 'overlong' penalises nothing with a cache of 0 tokens "
-                                              r"\(20% of max_completion_length=4, rounded down\): expected "
-                                              "max_completion_length >= 5$"):
+    with pytest.raises(inputs.CLIError, match=r"^max_completion_length: expected an integer >= 5 with 'overlong' in "
+                                              r"reward_funcs \(.*penalises nothing\), got 4$"):
         inputs.resolve_reward("overlong", short)
-    _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", "100", "--overlong_cache_length", "0"])
-    with pytest.raises(inputs.CLIError, match=r"cache of 0 tokens \(overlong_cache_length=0\): expected "
-                                              "overlong_cache_length >= 1$"):
+    _, dapo, _, _ = parse("dapo", [*common, "--max_completion_length", "100", "--overlong_cache_length", "0",
+                                   "--overlong_penalty", "false"])
+    with pytest.raises(inputs.CLIError, match=r"^overlong_cache_length: expected an integer >= 1 with "
+                                              r"'get_soft_overlong_punishment' in reward_funcs \(.*penalises nothing"
+                                              r": an error, not a no-op\), got 0$"):
         inputs.resolve_reward("get_soft_overlong_punishment", dapo)
 
 

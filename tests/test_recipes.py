@@ -244,6 +244,8 @@ def tiny_overrides(algo, model_dir, data, out):
         args += ["--reward_funcs", "trl_ppo_variants.toy:addition_reward", "--num_generations", "4"]
     if algo == "vapo":
         args += ["--value_pretrain_steps", "1"]
+    if algo == "dapo":  # the recipe's shaping kept on: 4 tokens leave no default cache (20%, rounded down)
+        args += ["--overlong_cache_length", "1"]
     if algo == "process_grpo":  # the recipe's 7B PRM swapped for a tiny random one, its steps for the toy's
         from trl_ppo_variants.toy import make_toy_prm
 

@@ -153,6 +153,17 @@ def test_rows_advantages_and_logging(tmp_path, toy_model_dir, toy_dataset, toy_t
     assert torch.isfinite(loss)
 
 
+def test_non_finite_count_is_the_sampled_completions(tmp_path, toy_model_dir, toy_dataset):
+    """A step whose 8 sampled completions all score NaN logs `rewards/<name>/non_finite` = 8: the greedy rows'
+    scoring (2 more NaN) is the baseline's, not a second entry of the metric."""
+    def nan_reward(completions, **kwargs):
+        return [float("nan")] * len(completions)
+
+    trainer = _trainer(toy_model_dir, toy_dataset, tmp_path, reward=nan_reward, max_unscorable_batches=None)
+    trainer._generate_and_score_completions(_batch(toy_dataset, 2))
+    assert trainer._metrics["train"]["rewards/nan_reward/non_finite"] == [8.0]
+
+
 @pytest.mark.timeout(180)
 def test_one_sample_per_prompt_with_its_greedy_baseline(tmp_path, toy_model_dir, toy_dataset):
     """The paper's setting (Algorithm 1: one sample and the greedy completion per prompt): every row gets its own

@@ -294,3 +294,43 @@ def test_weights_in_another_dtype_come_back_unrounded(tmp_path):
     assert load_model_weights(_Loader(), model, str(tmp_path / "ckpt"))
     assert model.lm_head.weight.dtype == torch.float64
     assert not [k for k, v in saved.state_dict().items() if not torch.equal(model.state_dict()[k], v)]
+
+
+# --------------------------------------------------------------------------------------------- another process count
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_processes_resume_a_one_process_checkpoint_with_its_global_state(toy_model_dir, tmp_path):
+    """The scoring tally and the prompt selection's state (GRESO history and exploration, keep-rate estimate, refill
+    position) are the run's, the same on every process: a 1-process checkpoint resumed by 2 processes gives both the
+    saved values (were one process to start from zeros, the ranks would stop on unscorable batches at different
+    steps: a hang). Only the generation buffer is per process; the warning says it is regenerated.
+    Script: tests/scripts/resume_2proc.py."""
+    import json
+    import subprocess
+    import sys
+
+    from launcher import ROOT, SCRIPTS, accelerate_launch, launch_env
+
+    script = SCRIPTS / "resume_2proc.py"
+    saved = subprocess.run([sys.executable, str(script), toy_model_dir, str(tmp_path), "save"], cwd=ROOT,
+                           env=launch_env(), capture_output=True, text=True, timeout=300)
+    assert saved.returncode == 0, saved.stderr[-4000:]
+    state = torch.load(tmp_path / "save" / "checkpoint-2" / "variant_state_rank0.pt", weights_only=False)
+    assert state["world_size"] == 1
+    tally = state["scoring_tally"]
+    assert tally["batches"] >= 2 and 0 < tally["unscorable_completions"] < tally["completions"], tally
+    selection = json.loads(json.dumps(state["extra"]["prompt_selection"]))  # as the script writes it
+    assert selection["history"] and selection["keep_rate"] != [0.0, 0.0] and selection["source"]["offset"] > 0
+
+    accelerate_launch("resume_2proc.py", toy_model_dir, tmp_path, "resume", marker="RESUME-2PROC-OK")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, result in enumerate(ranks):
+        restored = result["restored"]
+        assert (result["world_size"], restored["global_step"]) == (2, 2), rank
+        assert restored["scoring_tally"] == tally, f"rank {rank}: scoring tally"
+        assert restored["prompt_selection"] == selection, f"rank {rank}: prompt selection state"
+        lost = [w for w in result["warnings"] if "written by 1 process" in w]
+        assert len(lost) == 1 and "generation buffer" in lost[0], result["warnings"]
+    # the step after the resume counted on both from the same start, hence the same
+    assert ranks[0]["end"] == ranks[1]["end"] and ranks[0]["end"]["global_step"] == 3
+    assert ranks[0]["end"]["scoring_tally"]["batches"] > tally["batches"]

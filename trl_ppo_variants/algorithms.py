@@ -188,7 +188,8 @@ _ALL = [
                 }"""),
         ),
         demo={"max_generation_rounds": 2},
-        toy_demo={"max_generation_rounds": 2},
+        # the toy's 3-token completions leave the overlong shaping no cache (it would penalise nothing: refused)
+        toy_demo={"max_generation_rounds": 2, "overlong_penalty": False},
     ),
     Algorithm(
         "ppo", "PPO", "ppo", "PPOConfig", "PPOTrainer",

@@ -9,11 +9,19 @@ task: final weights 1.4e-3 away from the uninterrupted run). This module saves, 
 Trainer's own files:
 
     checkpoint-N/variant_state_rank{r}.pt   {"_step", "buffered_inputs", "metrics", "extra", "world_size",
-                                            "scoring_tally", ...}
+                                            "scoring_tally", "unscorable_prompts", ...}
 
-and restores it on resume. `scoring_tally` (the unscorable-run guard's count of the run's generation batches and
-completions) belongs to the run: a run resumed for its last steps judges them with its earlier batches. Trainers with state of their own (DAPO's refill position, VAPO's pre-training counter, ...)
-put it there through `VariantTrainer.extra_state()` / `load_extra_state(state)`.
+and restores it on resume. Two kinds of state are in it:
+
+- the run's, the same on every process (computed from gathered rewards): `scoring_tally` (the unscorable-run
+  guard's count of the run's generation batches and completions: a run resumed for its last steps judges them with
+  its earlier batches), the prompts of its current unscorable streak, and a trainer's own state
+  (`VariantTrainer.extra_state()` / `load_extra_state(state)`: a prompt selection's refill position, keep-rate
+  estimate and GRESO history). Every process restores it, whatever the number of processes that wrote the
+  checkpoint (a process without a file of its own reads process 0's): were one process to start from zeros, the
+  processes would stop on unscorable batches at different steps, and a collective would hang;
+- each process's own: the generation buffer, its counter `_step` and the metrics not logged yet, restored only by
+  as many processes as wrote them (else the buffer is regenerated, with a warning).
 
 Atomicity. `Trainer._save_checkpoint` writes straight into `checkpoint-N/` and `get_last_checkpoint` picks the
 highest-numbered directory, complete or not, so a run killed while saving resumes from a half-written directory (or
@@ -198,6 +206,7 @@ def trainer_state_dict(trainer) -> dict:
         "buffered_inputs": buffered,
         "metrics": {k: list(v) for k, v in trainer._metrics["train"].items()},
         "scoring_tally": dict(trainer.scoring_tally),
+        "unscorable_prompts": list(trainer._unscorable_prompts),
         "extra": trainer.extra_state(),
     }
 
@@ -266,24 +275,30 @@ def save_checkpoint(trainer, model, trial, save_fn) -> None:
 
 # --------------------------------------------------------------------------------------------- loading
 def load_trainer_state(trainer, checkpoint: str) -> bool:
-    """Restore this process's in-flight state from `checkpoint`. Returns False (with a warning saying what is lost)
-    when the checkpoint has none for this process: then TRL's behaviour applies (the buffer is regenerated)."""
-    path = os.path.join(checkpoint, STATE_FILE.format(rank=trainer.accelerator.process_index))
+    """Restore the in-flight state from `checkpoint` (see the module docstring): the run's state on every process,
+    from this process's file or else process 0's; this process's own state when as many processes wrote the
+    checkpoint. Returns False (with a warning saying what is lost) when this process's own state was not restored:
+    then TRL's behaviour applies (the buffer is regenerated)."""
+    rank, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    own = os.path.join(checkpoint, STATE_FILE.format(rank=rank))
+    path = own if os.path.isfile(own) else os.path.join(checkpoint, STATE_FILE.format(rank=0))
     if not os.path.isfile(path):
         warnings.warn(
-            f"{checkpoint} holds no generation buffer for process {trainer.accelerator.process_index} (written by "
-            "another trainer or another number of processes): the resumed run regenerates it, so it will not "
-            "reproduce the uninterrupted run exactly"
+            f"{checkpoint} holds no generation buffer for process {rank} (written by another trainer): the resumed "
+            "run regenerates it, so it will not reproduce the uninterrupted run exactly"
         )
         return False
     # our own file, written by `save_trainer_state`; it holds tensors and Python containers (not only weights)
     state = torch.load(path, map_location=trainer.accelerator.device, weights_only=False)
-    # the same on every process and for any number of them (counted on gathered rewards)
     trainer.scoring_tally.update(state.get("scoring_tally") or {})
-    if state.get("world_size") != trainer.accelerator.num_processes:
+    trainer._unscorable_prompts = set(state.get("unscorable_prompts") or ())
+    trainer.load_extra_state(state.get("extra") or {})
+    written = state.get("world_size")
+    if path != own or written != processes:
         warnings.warn(
-            f"{checkpoint} was written by {state.get('world_size')} processes, resuming with "
-            f"{trainer.accelerator.num_processes}: the generation buffer is regenerated (not an exact resume)"
+            f"{checkpoint} was written by {written} process{'' if written == 1 else 'es'}, resuming with "
+            f"{processes}: the run's state (scoring tally, prompt selection) is restored on every process, but not "
+            "each process's generation buffer and unlogged metrics: the buffer is regenerated (not an exact resume)"
         )
         return False
     trainer._step = int(state["_step"])
@@ -292,7 +307,6 @@ def load_trainer_state(trainer, checkpoint: str) -> bool:
     metrics.clear()
     for key, values in state.get("metrics", {}).items():
         metrics[key].extend(values)
-    trainer.load_extra_state(state.get("extra") or {})
     return True
 
 

@@ -297,6 +297,18 @@ def _command_line_value(args: list[str], name: str):
     return None
 
 
+def _split_config_option(args: list[str]) -> list[str]:
+    """`args` with `--config=PATH` written `--config PATH`: TRL's parser reads the recipe only from the latter, and
+    argparse would take the former as the (otherwise unused) value of `--config`, silently."""
+    out = []
+    for token in args:
+        if token.startswith("--config="):
+            out += ["--config", token.split("=", 1)[1]]
+        else:
+            out.append(token)
+    return out
+
+
 def _restate_config_error(error: Exception) -> str:
     """A config's `__post_init__` error as one line; transformers' bf16 refusal on a machine without a GPU names
     the fields to set (TRL's configs default to bf16)."""
@@ -325,7 +337,7 @@ def parse_args(algorithm: Algorithm, args: list[str], require_model: bool = Fals
     parser = build_parser(algorithm)
     command = algorithm.name
     fields = parser_fields(parser)
-    args = list(args)
+    args = _split_config_option(args)
     recipe, command_line = {}, args
     if "--config" in args:
         i = args.index("--config")

@@ -152,24 +152,18 @@ _NEEDS_MATH_VERIFY = ("accuracy_reward", "reasoning_accuracy_reward")
 
 
 def _overlong_lengths(training_args, spec: str, field_name: str) -> dict:
-    """The overlong penalty's lengths from the run, by DAPO's rule (Eq. 13): `max_completion_length`, and the cache
-    DAPO's config says (`overlong_cache_length`, else `default_overlong_cache_length`: 20% of it, rounded down). A
-    cache of 0 tokens penalises nothing (no completion exceeds `max_completion_length`): an error, not a no-op."""
-    from .trainers.dapo import default_overlong_cache_length
+    """The overlong penalty's lengths from the run, by DAPO's rule (Eq. 13, `overlong_cache_tokens`, which DAPO's
+    config applies to its own shaping): `max_completion_length`, and the cache DAPO's config says
+    (`overlong_cache_length`, else 20% of `max_completion_length`, rounded down). A cache of 0 tokens penalises
+    nothing: an error, not a no-op."""
+    from .trainers.dapo import overlong_cache_tokens
 
     max_len = int(training_args.max_completion_length)
-    cache = getattr(training_args, "effective_overlong_cache_length", None)
-    if cache is None:
-        cache = default_overlong_cache_length(max_len)
-    if cache < 1:
-        if getattr(training_args, "overlong_cache_length", None) is not None:
-            why, expected = f"overlong_cache_length={cache}", "overlong_cache_length >= 1"
-        else:
-            why = f"20% of max_completion_length={max_len}, rounded down"
-            expected = "max_completion_length >= 5" + (" or overlong_cache_length >= 1"
-                                                      if hasattr(training_args, "overlong_cache_length") else "")
-        raise CLIError(f"{field_name}: '{spec}' penalises nothing with a cache of 0 tokens ({why}): expected "
-                       f"{expected}")
+    try:
+        cache = overlong_cache_tokens(max_len, getattr(training_args, "overlong_cache_length", None),
+                                      f"'{spec}' in {field_name}", hasattr(training_args, "overlong_cache_length"))
+    except ValueError as e:
+        raise CLIError(str(e)) from None
     return {"max_completion_len": max_len, "soft_punish_cache": int(cache)}
 
 

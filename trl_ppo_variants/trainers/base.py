@@ -35,7 +35,7 @@ from trl import GRPOConfig, GRPOTrainer
 from .. import checkpointing, generation, guards, rollout, vllm_cpu
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..errors import check
-from ..losses import aggregate_token_loss, ppo_clip_policy_loss
+from ..losses import LOSS_TYPES, aggregate_token_loss, ppo_clip_policy_loss
 from ..screening import SELECTION_MODES
 
 # Private TRL methods this package overrides or calls, with the parameters it relies on (checked by a guard test).
@@ -75,12 +75,21 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
+def is_coefficient(value) -> bool:
+    """A number >= 0 (None, a bool or a string is not: it would fail raw at the first comparison)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
 #: loss types whose per-token loss is PPO's clipped surrogate with token-level ratios: dual-clip can correct them
 DUAL_CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 #: loss types normalised by a token count (`num_items_in_batch`), DAPO's token-level loss and its relatives
 TOKEN_LEVEL_LOSS_TYPES = ("dapo", "cispo", "vespo")
 TOKEN_LEVEL_NORMALIZERS = ("optimizer_step", "generation_batch")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+#: the values TRL 1.16's GRPOTrainer branches on (anything else fails at the first step, or is never read)
+SCALE_REWARDS = ("group", "batch", "none")  # and True / False, which GRPOConfig maps to "group" / "none"
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+VLLM_IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 class _GroupOfOne(int):
@@ -254,8 +263,9 @@ class VariantConfig(GRPOConfig):
         least, why = self.min_num_generations()
         check(isinstance(self.num_generations, int) and self.num_generations >= least, "num_generations",
               f"an integer >= {least} ({why})", self.num_generations)
-        check(self.kl_in_reward_coef >= 0, "kl_in_reward_coef", "a number >= 0", self.kl_in_reward_coef)
-        check(self.beta >= 0, "beta", "a number >= 0", self.beta)
+        check(is_coefficient(self.kl_in_reward_coef), "kl_in_reward_coef", "a number >= 0", self.kl_in_reward_coef)
+        check(is_coefficient(self.beta), "beta", "a number >= 0", self.beta)
+        self._check_trl_choices()
         check(self.kl_in_reward_estimator in KL_KINDS, "kl_in_reward_estimator", f"one of {KL_KINDS}",
               self.kl_in_reward_estimator)
         check(self.kl_loss_estimator in KL_KINDS, "kl_loss_estimator", f"one of {KL_KINDS}", self.kl_loss_estimator)
@@ -306,6 +316,19 @@ class VariantConfig(GRPOConfig):
                   f"gradient_accumulation_steps={self.gradient_accumulation_steps} with token_level_normalizer="
                   "'optimizer_step' (or token_level_normalizer='generation_batch', TRL's normaliser)",
                   self.steps_per_generation)
+
+    def _check_trl_choices(self):
+        """TRL's own fields whose values TRL checks only when it reads them (at the first step, or never)."""
+        check(self.loss_type in LOSS_TYPES, "loss_type", f"one of {LOSS_TYPES}", self.loss_type)
+        check(isinstance(self.scale_rewards, bool) or self.scale_rewards in SCALE_REWARDS, "scale_rewards",
+              f"one of {SCALE_REWARDS}, True or False", self.scale_rewards)
+        check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS, "importance_sampling_level",
+              f"one of {IMPORTANCE_SAMPLING_LEVELS}", self.importance_sampling_level)
+        check(self.vllm_importance_sampling_mode in VLLM_IMPORTANCE_SAMPLING_MODES, "vllm_importance_sampling_mode",
+              f"one of {VLLM_IMPORTANCE_SAMPLING_MODES}", self.vllm_importance_sampling_mode)
+        quantile = self.top_entropy_quantile
+        check(isinstance(quantile, (int, float)) and not isinstance(quantile, bool) and 0.0 <= quantile <= 1.0,
+              "top_entropy_quantile", "a number in [0, 1]", quantile)
 
     def _check_dual_clip(self):
         if self.clip_ratio_c is None:
@@ -501,8 +524,9 @@ class VariantTrainer(GRPOTrainer):
         create_model_card(self, model_name=model_name, dataset_name=dataset_name, tags=tags)
 
     def extra_state(self) -> dict:
-        """State of a subclass saved with every checkpoint (per process) and given back to `load_extra_state` on
-        resume, e.g. a refill sampler's position or a pre-training counter. Values: tensors and Python containers."""
+        """State of a subclass that belongs to the run, the same on every process (e.g. a refill sampler's
+        position): saved with every checkpoint and given back to `load_extra_state` on every process of the resumed
+        run, whatever their number. Values: tensors and Python containers."""
         return {}
 
     def load_extra_state(self, state: dict) -> None:

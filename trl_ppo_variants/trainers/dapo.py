@@ -25,8 +25,39 @@ OVERLONG_REWARD_NAME = "soft_overlong_punishment_reward"  # the __name__ of TRL'
 
 def default_overlong_cache_length(max_completion_length: int) -> int:
     """`L_cache` of Eq. 13 when none is set: 20% of `L_max` (the paper's 4096 of 20480), in whole tokens rounded down.
-    Below 5 tokens that is 0, no soft zone: nothing is penalised, since a completion never exceeds `L_max`."""
+    Below 5 tokens that is 0, no soft zone: nothing is penalised, since a completion never exceeds `L_max`
+    (`overlong_cache_tokens` refuses it)."""
     return max_completion_length // 5
+
+
+def overlong_cache_tokens(max_completion_length: int, overlong_cache_length: int | None, user: str,
+                          cache_field: bool = True) -> int:
+    """`L_cache` of an overlong penalty used by `user` (DAPO's shaping, the `overlong` reward, ...): the configured
+    `overlong_cache_length`, else `default_overlong_cache_length`. A cache of 0 tokens penalises nothing (no
+    completion exceeds `max_completion_length`): an error, not a no-op, raised as the one-line config error of the
+    field to change (`cache_field`: whether the run's config has `overlong_cache_length` to offer instead)."""
+    if overlong_cache_length is not None:
+        check(overlong_cache_length >= 1, "overlong_cache_length",
+              f"an integer >= 1 with {user} (a cache of 0 tokens penalises nothing: an error, not a no-op)",
+              overlong_cache_length)
+        return overlong_cache_length
+    cache = default_overlong_cache_length(max_completion_length)
+    check(cache >= 1, "max_completion_length",
+          f"an integer >= 5 with {user} (its default cache, 20% rounded down, is 0 tokens, which penalises nothing)"
+          + (" or overlong_cache_length >= 1" if cache_field else ""), max_completion_length)
+    return cache
+
+
+def is_overlong_penalty(func) -> bool:
+    """Whether a reward function is an overlong penalty: the package's `overlong` reward (by its type, whatever its
+    name) or TRL's soft overlong punishment (by the function `get_soft_overlong_punishment` returns, or its name)."""
+    from ..rewards import overlong_reward
+
+    if isinstance(func, overlong_reward):
+        return True
+    qualname = getattr(func, "__qualname__", "") or ""
+    return (getattr(func, "__name__", None) == OVERLONG_REWARD_NAME
+            or qualname.startswith("get_soft_overlong_punishment.<locals>."))
 
 
 @dataclass
@@ -65,10 +96,13 @@ class DAPOConfig(PromptSelectionFields, VariantConfig):
             shaping, not one of the user's reward functions: `reward_funcs`, `reward_func_names`,
             `reward_processing_classes`, `reward_weights` and the logged `reward` stay the user's (as with
             `trl.GRPOTrainer`); the shaping is logged as `dapo/overlong_penalty` (its mean over the generated
-            completions) and `dapo/frac_overlong_penalized` (the share it lowers).
+            completions) and `dapo/frac_overlong_penalized` (the share it lowers). An overlong penalty among
+            `reward_funcs` (the package's `overlong`, TRL's `get_soft_overlong_punishment`) would apply it twice: it
+            is refused while this is on, and is not a task reward for the filter when this is off.
         overlong_cache_length (`int`, *optional*):
-            `L_cache` of Eq. 13, in tokens, in `[0, max_completion_length)`. `None`: 20% of `max_completion_length`
-            (rounded down), the paper's 4096 / 20480.
+            `L_cache` of Eq. 13, in tokens, in `[1, max_completion_length)`. `None`: 20% of `max_completion_length`
+            (rounded down), the paper's 4096 / 20480. A cache of 0 tokens (also the default below 5 tokens of
+            `max_completion_length`) penalises nothing: refused while `overlong_penalty` is on.
     """
 
     epsilon: float = field(default=0.2, metadata={"help": "Lower clip range (Clip-Higher epsilon_low)."})
@@ -102,6 +136,7 @@ class DAPOConfig(PromptSelectionFields, VariantConfig):
                       and 0 <= self.overlong_cache_length < self.max_completion_length,
                       "overlong_cache_length", f"None or an integer in [0, {self.max_completion_length})",
                       self.overlong_cache_length)
+            overlong_cache_tokens(self.max_completion_length, self.overlong_cache_length, "overlong_penalty=True")
 
     def selection_mode(self) -> str:
         if self.prompt_selection == "none" and self.dynamic_sampling:
@@ -193,11 +228,12 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
     def __init__(self, model, reward_funcs=None, args: DAPOConfig | None = None, **kwargs):
         args = self.resolve_args(args)
         self._overlong_func = None
+        funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        penalties = [getattr(f, "__name__", type(f).__name__) for f in funcs if is_overlong_penalty(f)]
         if args.overlong_penalty:
-            funcs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-            names = [getattr(f, "__name__", None) for f in funcs]
-            check(OVERLONG_REWARD_NAME not in names, "overlong_penalty",
-                  f"False when reward_funcs already holds {OVERLONG_REWARD_NAME}", True)
+            check(not penalties, "overlong_penalty",
+                  f"False when reward_funcs holds an overlong penalty ({', '.join(penalties)}: DAPO's own shaping "
+                  "would apply it a second time)", True)
             self._overlong_func = get_soft_overlong_punishment(
                 args.max_completion_length, args.effective_overlong_cache_length)
         super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -205,7 +241,8 @@ class DAPOTrainer(PromptSelectionMixin, VariantTrainer):
         # the reward table the advantages read is TRL's columns (the user's reward functions, then any
         # environment-owned rewards) plus, with the shaping on, one last column: the shaping
         self._overlong_index = len(self.reward_funcs) if self._overlong_func is not None else None
-        self._task_columns = list(range(len(self.reward_funcs)))
+        # an overlong penalty among the user's rewards (with the shaping off) scores length, not the task
+        self._task_columns = [i for i, f in enumerate(self.reward_funcs) if not is_overlong_penalty(f)]
         if args.filter_metric == "reward":
             check(len(self._task_columns) > 0, "filter_metric",
                   "a reward function name when the only reward is the overlong shaping", args.filter_metric)

@@ -141,9 +141,10 @@ class ReMaxTrainer(VariantTrainer):
     Evaluation does the same as training (with `num_generations_eval`), so `eval_remax/greedy_reward` is logged:
     the reward of greedy decoding, often the metric one wants.
 
-    Logged: `remax/greedy_reward` (mean weighted reward of the greedy completions). Reward metrics, completions and
-    advantages in the table are those of the sampled completions; reward functions' `log_extra`/`log_metric` calls
-    made while scoring the greedy rows are dropped so that nothing is logged twice.
+    Logged: `remax/greedy_reward` (mean weighted reward of the greedy completions). Reward metrics
+    (`rewards/<name>/non_finite` included), completions and advantages in the table are those of the sampled
+    completions; what scoring the greedy rows would log (reward functions' `log_extra`/`log_metric` calls too) is
+    dropped so that nothing is logged twice.
     """
 
     _tag_names = ["trl", "trl-ppo-variants", "remax"]
@@ -280,12 +281,22 @@ class ReMaxTrainer(VariantTrainer):
             g_completions.append(filler[2])
             g_ids.append(filler[3])
 
+        # the reward metrics are the sampled completions': what scoring the greedy rows logs (reward functions'
+        # `log_extra` / `log_metric`, the base class's `rewards/<name>/non_finite`) is dropped
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode]
+        logged = {key: len(values) for key, values in metrics.items()}
         saved = (self._pending_extra_logs, self._pending_metrics, self._captured_rewards_per_func)
         self._pending_extra_logs, self._pending_metrics = defaultdict(list), defaultdict(list)
         try:
             gathered = super()._calculate_rewards(g_inputs, g_prompts, g_completions, g_ids)  # (world * padded, F)
         finally:
             self._pending_extra_logs, self._pending_metrics, self._captured_rewards_per_func = saved
+            for key in list(metrics):
+                if key in logged:
+                    del metrics[key][logged[key]:]
+                else:
+                    del metrics[key]
 
         num_local = len(prompts)
         group_size = greedy["group_size"]
@@ -295,7 +306,6 @@ class ReMaxTrainer(VariantTrainer):
             for j in range(len(owned_group_rows(r, num_local, group_size)))
         ]
         greedy_rewards = gathered[torch.tensor(slots, device=gathered.device)]
-        mode = "train" if self.model.training else "eval"
         self._metrics[mode]["remax/greedy_reward"].append(torch.nanmean(self.total_rewards(greedy_rewards)).item())
         return greedy_rewards
 

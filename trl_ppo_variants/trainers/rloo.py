@@ -9,7 +9,7 @@ import torch
 from ..advantages import rloo_advantages
 from ..errors import check
 from ..screening import PromptSelectionFields, PromptSelectionMixin
-from .base import VariantConfig, VariantTrainer
+from .base import VariantConfig, VariantTrainer, is_coefficient
 
 
 @dataclass
@@ -67,7 +67,7 @@ class RLOOConfig(PromptSelectionFields, VariantConfig):
 
     def __post_init__(self):
         # beta is the KL-in-reward coefficient here (trl.RLOOConfig); the loss gets no KL term
-        check(self.beta >= 0, "beta", "a number >= 0", self.beta)
+        check(is_coefficient(self.beta), "beta", "a number >= 0", self.beta)
         check(self.kl_in_reward_coef in (0.0, self.beta), "kl_in_reward_coef",
               f"unset (RLOO's KL-in-reward coefficient is `beta`, here {self.beta}, as in trl.RLOOConfig)",
               self.kl_in_reward_coef)
