@@ -361,7 +361,7 @@ ZERO3 = ROOT / "tests" / "configs" / "critic_zero3.yaml"
 @pytest.mark.parametrize("backend, config_file, critic", [
     ("ddp", DDP, "full"),
     ("zero2", ZERO2, "full"),
-    ("zero3", ZERO3, "full"),
+    pytest.param("zero3", ZERO3, "full", marks=pytest.mark.multinode),  # also as two machines in `make test`
     ("ddp", DDP, "lora"),
     ("zero2", ZERO2, "lora"),
     ("zero3", ZERO3, "lora"),
