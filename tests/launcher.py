@@ -12,14 +12,16 @@ past its timeout is killed with every process it started (the workers too, not o
 DeepSpeed configs run without ACCELERATE_USE_CPU: accelerate turns DeepSpeed off when it is set, and
 CUDA_VISIBLE_DEVICES="" already keeps DeepSpeed on CPU.
 
-`machines=2` runs the multi-node recipe as docs/how-to/distributed.md tells users to, on this one host: two
-`accelerate launch` commands, `--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1 --main_process_port P`,
-one process each. Two launchers must agree on a port, so the test picks a free one (retried with another when it was
-taken in the meantime). A DeepSpeed config becomes the shipped multi-node recipe (recipes/accelerate/
-multi_node_zero3.yaml) sized down to 2 machines x 1 process, with the test config's own DeepSpeed settings (ZeRO
-stage, clipping). When one launcher fails, the other is killed after a short grace, as a cluster's scheduler ends a
-job whose node failed (torch's launcher on one node does not watch the other). Both results come back as one: the
-first failure's exit status, machine 0's output, then machine 1's.
+`machines=2` runs the multi-node recipe as docs/how-to/distributed.md tells users to, on this one host: two `accelerate
+launch` commands, `--num_machines 2 --machine_rank 0|1 --main_process_ip 127.0.0.1 --main_process_port P`, one process
+each. Two launchers must agree on a port, so the test picks a free one (retried with another when it was taken in the
+meantime). A DeepSpeed config becomes the shipped multi-node recipe (recipes/accelerate/multi_node_zero3.yaml) sized
+down to 2 machines x 1 process, with the test config's own DeepSpeed settings (ZeRO stage, clipping). When one launcher
+fails, the other is killed after a short grace, as a cluster's scheduler ends a job whose node failed (torch's launcher
+on one node does not watch the other). Both results come back as one: the first failure's exit status, machine 0's
+stdout then machine 1's, their stderr with the failed machine's last. A test opts in by taking the `machines` parameter
+(tests/conftest.py) and passing it on; a test that starts a vLLM server first does the same, the server being a third
+process that both machines reach on the loopback.
 """
 
 from __future__ import annotations
@@ -168,7 +170,9 @@ def _run_machines(cmds, env, timeout) -> subprocess.CompletedProcess:
             texts.append((out.read(), err.read()))
             out.close(), err.close()
     stdout = "".join(t[0] for t in texts)
-    stderr = "".join(f"--- machine {m} ---\n{t[1]}{notes[m]}\n" for m, t in enumerate(texts))
+    # the failed machine's last, where a failure's tail shows it
+    order = sorted(range(len(texts)), key=lambda m: m == first_failure and codes[m] != 0)
+    stderr = "".join(f"--- machine {m} ---\n{texts[m][1]}{notes[m]}\n" for m in order)
     return subprocess.CompletedProcess(cmds[0], codes[first_failure], stdout, stderr)
 
 
