@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 EXTENSIONS = $(abspath $(1))/torch_extensions
 SHM_OP := "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 
-.PHONY: install test test-main test-quick test-slow test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
+.PHONY: install test test-main test-quick test-slow test-multinode test-vllm docs demo demo-toy bench bench-toy bench-smollm2 bench-gpu-cpu trl-suite clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -65,7 +65,7 @@ TEST_JOBS ?= 2
 test:
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-main test-vllm
 
-test-main test-quick test-slow: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VENV))
+test-main test-quick test-slow test-multinode: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VENV))
 test-vllm: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VLLM_VENV))
 
 test-main: $(STAMP)
@@ -78,6 +78,14 @@ test-quick: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal -m slow tests
+
+# Every test that launches processes, run as two machines on this host instead of one: two `accelerate launch`
+# commands with --num_machines 2 --machine_rank 0|1 on the loopback, one process each (DDP over gloo; DeepSpeed with
+# recipes/accelerate/multi_node_zero3.yaml sized down), the same checks (tests/launcher.py, docs/how-to/distributed.md).
+# `make test` runs the representative ones (marked `multinode`) beside their one-machine runs.
+test-multinode: $(STAMP)
+	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 --machines 2 --ignore=tests/test_vllm.py \
+		--ignore=tests/test_vllm_distributed.py tests
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py

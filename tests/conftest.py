@@ -14,6 +14,36 @@ import torch
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--machines", type=int, choices=(1, 2), default=1,
+                     help="2: run every test that launches processes as two machines on this host (two `accelerate "
+                          "launch` commands, tests/launcher.py), and only those; `make test-multinode`")
+
+
+def pytest_generate_tests(metafunc):
+    """A test that launches processes takes `machines`: 1 (one `accelerate launch`) or 2 (one launcher per machine,
+    the multi-node recipe on this host). Both are collected; `pytest_collection_modifyitems` keeps one set."""
+    if "machines" in metafunc.fixturenames:
+        metafunc.parametrize("machines", [1, 2], ids=["1machine", "2machines"])
+
+
+def pytest_collection_modifyitems(config, items):
+    """By default the one-machine launches run, and the two-machine launch of the tests marked `multinode` (the
+    representative set that `make test` runs); with `--machines 2` every test's two-machine launch, nothing else."""
+    two_only = config.getoption("machines") == 2
+    keep, drop = [], []
+    for item in items:
+        machines = item.callspec.params.get("machines") if hasattr(item, "callspec") else None
+        if two_only:
+            wanted = machines == 2
+        else:
+            wanted = machines != 2 or item.get_closest_marker("multinode") is not None
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def worker_cores() -> int:
     """The threads a test on one process may use: the cores shared among pytest-xdist's workers (`-n`), so that a
     real-model test that takes more than one does not oversubscribe them (OpenMP threads then wait on each other)."""

@@ -729,26 +729,26 @@ def test_dapo_with_dynamic_sampling_improves_mean_reward(tmp_path, toy_model_dir
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-def _launch(mode, model_dir, out_dir):
+def _launch(mode, model_dir, out_dir, machines):
     accelerate_launch("dapo_2proc.py", "--mode", mode, "--model", model_dir, "--out", out_dir, timeout=420,
-                      marker=f"DAPO-2PROC-OK {mode}")
+                      marker=f"DAPO-2PROC-OK {mode}", machines=machines)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_two_processes_uneven_drops_split_groups(tmp_path, toy_model_dir):
-    _launch("uneven", toy_model_dir, tmp_path)
+def test_two_processes_uneven_drops_split_groups(tmp_path, toy_model_dir, machines):
+    _launch("uneven", toy_model_dir, tmp_path, machines)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_two_processes_exhaustion(tmp_path, toy_model_dir):
-    _launch("exhaust", toy_model_dir, tmp_path)
+def test_two_processes_exhaustion(tmp_path, toy_model_dir, machines):
+    _launch("exhaust", toy_model_dir, tmp_path, machines)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-def test_two_processes_speed_screening_with_greso(tmp_path, toy_model_dir):
+def test_two_processes_speed_screening_with_greso(tmp_path, toy_model_dir, machines):
     """GRPO with SPEED + GRESO on 2 processes: identical decisions on both, no hang although every screening held by
     process 1 alone is rejected, full batches of whole groups (see tests/scripts/dapo_2proc.py --mode speed)."""
-    _launch("speed", toy_model_dir, tmp_path)
+    _launch("speed", toy_model_dir, tmp_path, machines)

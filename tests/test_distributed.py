@@ -36,24 +36,28 @@ def test_exit_status_atexit_and_flushed_output_in_one_process(tmp_path, call, wo
     assert marker.read_text() == "ran"
 
 
-def _launch(out_dir, code):
+def _launch(out_dir, code, machines):
     """Both processes end with `finish(code)`; stdout stays block-buffered (PYTHONUNBUFFERED unset)."""
-    return accelerate_launch("finish_2proc.py", out_dir, code, timeout=300, check=code == 0,
+    return accelerate_launch("finish_2proc.py", out_dir, code, timeout=300, check=code == 0, machines=machines,
                              unset=("PYTHONUNBUFFERED",))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_exit_with_their_status_after_atexit_and_flush(tmp_path):
-    proc = _launch(tmp_path, 0)
+def test_two_processes_exit_with_their_status_after_atexit_and_flush(tmp_path, machines):
+    proc = _launch(tmp_path, 0, machines)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
         assert f"FINISH-RANK{rank} world=2" in proc.stdout  # flushed before os._exit
         assert (tmp_path / f"atexit_rank{rank}").read_text() == "ran"
     assert "finish returned" not in proc.stderr
 
-    start = time.monotonic()
-    failed = _launch(tmp_path, 7)  # rank 1 fails while rank 0 is busy: a failure stays a failure, and is not held up
+    (tmp_path / "finishing_rank1").unlink()
+    # rank 1 fails while rank 0 is busy (for 120 s): a failure stays a failure, and is not held up. Timed from when
+    # rank 1 began to finish, not from the launch: starting the processes on a loaded machine can take a minute too
+    failed = _launch(tmp_path, 7, machines)
+    ended = time.time()
     assert failed.returncode != 0
     assert "exitcode: 7" in failed.stderr, failed.stderr[-2000:]
-    assert time.monotonic() - start < 60, "the failed process waited for its busy peer"
+    finishing = (tmp_path / "finishing_rank1").stat().st_mtime
+    assert ended - finishing < 60, "the failed process waited for its busy peer"

@@ -139,11 +139,11 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
 # --------------------------------------------------------------------------------------------- 2 processes
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_two_processes_stay_in_step(toy_model_dir, tmp_path):
+def test_two_processes_stay_in_step(toy_model_dir, tmp_path, machines):
     """Length limit hit on process 0 only (its rows all masked by mask_truncated_completions), for every trainer:
     no hang, same row counts, finite losses, identical weights on both processes; then a reward function raising on
     process 1 only: both processes stop with a one-line error instead of one of them hanging in the gather."""
-    accelerate_launch("reliability_2proc.py", toy_model_dir, tmp_path, timeout=840)
+    accelerate_launch("reliability_2proc.py", toy_model_dir, tmp_path, timeout=840, machines=machines)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert results[0]["length_limit"].keys() == results[1]["length_limit"].keys()
     for name, res in results[0]["length_limit"].items():

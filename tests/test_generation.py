@@ -467,11 +467,12 @@ def test_sampling_logps_source_is_checked(tmp_path):
 # ------------------------------------------------------------------------------------------------ 2 processes
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_split_groups(toy_model_dir, tmp_path):
+def test_two_processes_split_groups(toy_model_dir, tmp_path, machines):
     """Per-device batch 6, G = 4 (a group spans the two processes): on each process the recorded log-probs equal the
     forward's, and the global advantages with them equal those of the forward fallback (RLOO, REINFORCE++). Then a
     GPT-2 whose rows are left-padded on process 0 only: both processes take the forward pass (one decision)."""
-    accelerate_launch("sampling_logps_2proc.py", toy_model_dir, tmp_path, marker="SAMPLING-LOGPS-2PROC-OK")
+    accelerate_launch("sampling_logps_2proc.py", toy_model_dir, tmp_path, marker="SAMPLING-LOGPS-2PROC-OK",
+                      machines=machines)
 
 
 # ------------------------------------------------------------------------------------------------ the bound

@@ -16,8 +16,8 @@ from trl_ppo_variants.advantages import reinforce_pp_advantages, rloo_advantages
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_split_groups(toy_model_dir, tmp_path):
-    accelerate_launch("advantages_2proc.py", toy_model_dir, tmp_path, marker="ADVANTAGES-2PROC-OK")
+def test_two_processes_split_groups(toy_model_dir, tmp_path, machines):
+    accelerate_launch("advantages_2proc.py", toy_model_dir, tmp_path, marker="ADVANTAGES-2PROC-OK", machines=machines)
     for algo in ("reinforce_pp", "rloo"):
         ranks = [torch.load(tmp_path / f"{algo}_rank{r}.pt", weights_only=False) for r in range(2)]
         assert [r["world_size"] for r in ranks] == [2, 2], algo
@@ -51,8 +51,9 @@ def test_two_processes_split_groups(toy_model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_one_sample_per_prompt(toy_model_dir, tmp_path):
-    accelerate_launch("one_sample_2proc.py", toy_model_dir, tmp_path, marker="ONE-SAMPLE-2PROC-OK")
+def test_two_processes_one_sample_per_prompt(toy_model_dir, tmp_path, machines):
+    accelerate_launch("one_sample_2proc.py", toy_model_dir, tmp_path, marker="ONE-SAMPLE-2PROC-OK",
+                      machines=machines)
     for algo in ("reinforce_pp", "remax"):
         ranks = [json.loads((tmp_path / f"{algo}_rank{r}.json").read_text()) for r in range(2)]
         assert [r["world_size"] for r in ranks] == [2, 2] and [r["global_step"] for r in ranks] == [4, 4], algo

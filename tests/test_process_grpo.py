@@ -268,12 +268,12 @@ def test_process_supervision_beats_the_outcome_reward_on_the_same_budget(digits_
 # --------------------------------------------------------------------------------------------- 2 processes (slow)
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_split_groups(toy_model_dir, tmp_path):
+def test_two_processes_split_groups(toy_model_dir, tmp_path, machines):
     """Per-device batch 6, G = 4: the middle group straddles the ranks. Both ranks compute the same advantages, equal
     to the pure function on step rewards and ends recomputed in one process from every completion; the ranks pad
     their step lists to the same width; the weights end identical. Script: tests/scripts/process_grpo_2proc.py.
     """
-    accelerate_launch("process_grpo_2proc.py", toy_model_dir, tmp_path)
+    accelerate_launch("process_grpo_2proc.py", toy_model_dir, tmp_path, machines=machines)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert [r["global_step"] for r in ranks] == [3, 3]
     torch.testing.assert_close(ranks[0]["weights"], ranks[1]["weights"], rtol=0, atol=0)

@@ -320,33 +320,36 @@ def test_vlm_recipe_runs_two_steps_on_cpu(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ 2 processes
-def _accelerate_launch(config, cli_args):
+def _accelerate_launch(config, cli_args, machines):
     """`accelerate launch` of the CLI with a recipe's accelerate config on 2 CPU processes; returns stdout."""
     return accelerate_launch("trl_ppo_variants", *cli_args, module=True,
-                             config_file=ACCELERATE / f"{config}.yaml").stdout
+                             config_file=ACCELERATE / f"{config}.yaml", machines=machines).stdout
 
 
-def _launch(config, algo, model_dir, data, out, extra=()):
+def _launch(config, algo, model_dir, data, out, machines, extra=()):
     return _accelerate_launch(config, [algo, "--config", str(RECIPES / f"{algo}.yaml"),
                                        *tiny_overrides(algo, model_dir, data, out),
-                                       "--per_device_train_batch_size", "4", *extra])
+                                       "--per_device_train_batch_size", "4", *extra], machines)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config,algo,expect", [
-    ("multi_gpu", "rloo", "2 processes on cpu (DDP)"),
+    # also as two machines in `make test`: the docs' command for CPU (tests/test_vapo.py's ZeRO-3 critic: DeepSpeed)
+    pytest.param("multi_gpu", "rloo", "2 processes on cpu (DDP)", marks=pytest.mark.multinode),
     ("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
     ("zero3", "reinforce_pp", "2 processes on cpu (DeepSpeed ZeRO-3)"),
 ])
-def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, algo, expect):
+def test_two_process_cli_under_accelerate_launch(tmp_path, toy_model_dir, toy_dataset, config, algo, expect,
+                                                 machines):
     """The CLI runs unchanged under `accelerate launch` with the recipes' own accelerate configs (only the process
-    count and mixed precision overridden for CPU): 2 gloo processes, DeepSpeed ZeRO-2/3 on CPU."""
+    count and mixed precision overridden for CPU): 2 gloo processes, DeepSpeed ZeRO-2/3 on CPU. On two machines the
+    summary is still printed once (every machine's first process printed it) and the model saved once."""
     _require(algo)
     data = tmp_path / "toy.jsonl"
     toy_dataset.select(range(64)).to_json(str(data))
     out = tmp_path / "out"
-    stdout = _launch(config, algo, toy_model_dir, str(data), str(out))
+    stdout = _launch(config, algo, toy_model_dir, str(data), str(out), machines)
     assert f"trained {algo} for 2 steps on {expect}" in stdout
     assert stdout.count(f"trained {algo} for 2 steps") == 1  # printed by the main process only
     card = (out / "README.md").read_text()
@@ -402,11 +405,11 @@ def test_offline_recipe_runs_as_is(tmp_path, smollm2_dir):
     ("multi_gpu", "rloo", "2 processes on cpu (DDP)"),
     ("zero2", "dapo", "2 processes on cpu (DeepSpeed ZeRO-2)"),
 ])
-def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, algo, expect):
+def test_offline_recipe_under_accelerate_launch(tmp_path, smollm2_dir, config, algo, expect, machines):
     """The offline recipe on 2 CPU processes: DDP (gloo) and DeepSpeed ZeRO-2, with the recipes' accelerate configs
     (process count and mixed precision overridden for CPU) and a smaller batch per process."""
     stdout = _accelerate_launch(config, [algo, *_offline_cli(tmp_path, "--per_device_train_batch_size", "8",
-                                                             "--max_completion_length", "12")])
+                                                             "--max_completion_length", "12")], machines)
     assert f"trained {algo} for 2 steps on {expect}" in stdout
     assert stdout.count(f"trained {algo} for 2 steps") == 1
     card = (tmp_path / "out" / "README.md").read_text()

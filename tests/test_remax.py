@@ -275,10 +275,10 @@ LEARN_STEPS, LEARN_LR, LEARN_SEED, LEARN_MARGIN = 50, 1e-3, 0, 0.1
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_processes_split_groups(tmp_path, toy_model_dir):
+def test_two_processes_split_groups(tmp_path, toy_model_dir, machines):
     """2 ranks x 6 rows, G = 4: the middle group is split. Baselines equal a single-process greedy computation of
     every group's prompt, advantages are r - b_p, and both ranks end with identical weights."""
-    accelerate_launch("remax_2proc.py", toy_model_dir, tmp_path, timeout=280)
+    accelerate_launch("remax_2proc.py", toy_model_dir, tmp_path, timeout=280, machines=machines)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank in ranks:
         assert rank["steps"] == 2

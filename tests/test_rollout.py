@@ -541,12 +541,12 @@ def test_two_processes_with_other_tile_counts_move_rows_with_their_tiles(threade
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_real_processes_with_other_tile_counts_agree_and_keep_each_rows_pixels():
+def test_two_real_processes_with_other_tile_counts_agree_and_keep_each_rows_pixels(machines):
     """The exchange under `accelerate launch` (gloo, 2 CPU processes), rank 0 with square-image rows (2 entries an
     image), rank 1 with 2:1 ones (3): gloo refused the mismatched sizes ("Received data size doesn't match expected
     size"); now every row arrives with its own pixels, a rank without images takes part, the ranks' global views
     agree (tests/scripts/tiles_2proc.py)."""
-    accelerate_launch("tiles_2proc.py", marker="TILES-2PROC-OK", timeout=240)
+    accelerate_launch("tiles_2proc.py", marker="TILES-2PROC-OK", timeout=240, machines=machines)
 
 
 def test_unknown_multimodal_layouts_are_refused_naming_the_key():

@@ -222,12 +222,12 @@ def test_evaluate_votes_without_dropping(tmp_path, toy_model_dir, toy_dataset):
 # ------------------------------------------------------------------------------------------------ 2 processes
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_processes_vote_on_whole_groups(tmp_path, toy_model_dir):
+def test_two_processes_vote_on_whole_groups(tmp_path, toy_model_dir, machines):
     """2 ranks x 6 rows, n_votes = 4: the middle group is split over the ranks. The vote column equals a
     single-process `majority_vote_rewards` over all completions, in steps where voting per rank would have given
     other rewards; each rank trains on 3 rows (6 * 2/4), the split group's kept rows still form one GRPO group, and
     both ranks end with identical weights."""
-    accelerate_launch("ttrl_2proc.py", toy_model_dir, tmp_path, timeout=380)
+    accelerate_launch("ttrl_2proc.py", toy_model_dir, tmp_path, timeout=380, machines=machines)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["fingerprint"] == ranks[1]["fingerprint"]
     assert len(ranks[0]["records"]) == 3

@@ -361,7 +361,7 @@ ZERO3 = ROOT / "tests" / "configs" / "critic_zero3.yaml"
 @pytest.mark.parametrize("backend, config_file, critic", [
     ("ddp", DDP, "full"),
     ("zero2", ZERO2, "full"),
-    ("zero3", ZERO3, "full"),
+    pytest.param("zero3", ZERO3, "full", marks=pytest.mark.multinode),  # also as two machines in `make test`
     ("ddp", DDP, "lora"),
     ("zero2", ZERO2, "lora"),
     ("zero3", ZERO3, "lora"),
@@ -370,11 +370,12 @@ ZERO3 = ROOT / "tests" / "configs" / "critic_zero3.yaml"
     ("ddp", DDP, "lora-peft"),
     ("zero2", ZERO2, "lora-peft"),
 ])
-def test_two_processes(tmp_path, toy_model_dir, backend, config_file, critic):
+def test_two_processes(tmp_path, toy_model_dir, backend, config_file, critic, machines):
     """3 steps (1 of value pre-training) on 2 CPU processes: finite losses, identical weights on both ranks at every
     step, the policy untouched by pre-training, a checkpoint holding the critic, an export without it. LoRA critics:
     over a frozen copy, the reference model's weights (which never move) or the LoRA policy's base (a second adapter)."""
-    accelerate_launch("critic_2proc.py", toy_model_dir, tmp_path, critic, config_file=config_file, timeout=230)
+    accelerate_launch("critic_2proc.py", toy_model_dir, tmp_path, critic, config_file=config_file, timeout=230,
+                      machines=machines)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2]
     assert ranks[0]["deepspeed_stage"] == {"ddp": None, "zero2": 2, "zero3": 3}[backend]

@@ -527,15 +527,19 @@ def run(algorithm: Algorithm, args: list[str]) -> int:
     trainer.create_model_card(model_name=os.path.basename(os.path.normpath(training_args.output_dir)),
                               dataset_name=trainer.model_card_dataset_name)
     steps = trainer.state.global_step
-    trainer.accelerator.print(f"{PROG}: trained {algorithm.name} for {_plural(steps, 'step')} on "
-                              f"{_describe_distribution(trainer)}; model and model card saved to "
-                              f"{training_args.output_dir}")
+    # the run's summary, from its main process only: `accelerator.print` prints on every machine's first process,
+    # and on machines other than the first the model was not saved there
+    main = trainer.accelerator.is_main_process
+    if main:
+        print(f"{PROG}: trained {algorithm.name} for {_plural(steps, 'step')} on {_describe_distribution(trainer)}; "
+              f"model and model card saved to {training_args.output_dir}")
     warning = _scoring_warning(trainer)
-    if warning and trainer.accelerator.is_main_process:
+    if warning and main:
         print(warning, file=sys.stderr)
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=trainer.model_card_dataset_name)
-        trainer.accelerator.print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
+        if main:
+            print(f"{PROG}: pushed to https://huggingface.co/{trainer.hub_model_id}")
     if hasattr(trainer, "end"):
         trainer.end()
     return 0  # the process group is left to `entry` -> `distributed.finish`, which ends multi-process runs safely
