@@ -170,3 +170,34 @@ def test_every_value_trl_accepts_still_constructs(tmp_path):
     for field, value in valid:
         toy_args(GRPOConfig, tmp_path, **{field: value})
     assert toy_args(GRPOConfig, tmp_path, scale_rewards=False).scale_rewards == "none"  # TRL's own mapping
+
+
+#: one trainer spec per config class (several specs share one: rloo and rloo_kl, ...)
+ONE_SPEC_PER_CONFIG = sorted({load_spec(n)[0]: n for n in sorted(AVAILABLE, reverse=True)}.values())
+
+
+@pytest.mark.parametrize("spec", ONE_SPEC_PER_CONFIG)
+def test_none_in_any_numeric_field_is_a_one_line_error(spec, tmp_path):
+    """Every field declared as a plain `int` / `float` (the package's and TRL's), set to None (a YAML `~`, a value
+    forgotten on a command line), is refused at construction naming the field, by every config class: before this
+    check, 17 of them raised a raw TypeError from a comparison (`vf_coef`, `lam`, `keep_rate_init`, ...) and others
+    were accepted, to fail at the first step."""
+    from conftest import toy_args
+
+    from trl_ppo_variants.trainers.base import numeric_field_types
+
+    config_cls, _, overrides, _ = load_spec(spec)
+    fields = numeric_field_types(config_cls)
+    assert {"learning_rate", "temperature", "epsilon"} <= set(fields)  # TRL's fields are covered too
+    wrong = {}
+    for name in fields:
+        try:
+            toy_args(config_cls, tmp_path, **{**overrides, name: None})
+        except ValueError as err:
+            if not (str(err).startswith(f"{name}: expected") and "\n" not in str(err)):
+                wrong[name] = str(err)
+        except Exception as err:  # noqa: BLE001 - what the test is about: any other error is a failure
+            wrong[name] = f"{type(err).__name__}: {err}"
+        else:
+            wrong[name] = "accepted"
+    assert not wrong, wrong

@@ -23,8 +23,10 @@ not copy that method (TRL deleted several of its own experimental trainers whose
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
+import numbers
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -73,6 +75,18 @@ FORWARD_FALLBACK_METRIC = "sampling_logps/forward_fallback"
 def _is_count(value) -> bool:
     """An integer >= 1 (a bool is an int to Python, not a count)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def numeric_field_types(config) -> dict[str, type]:
+    """The fields of a config declared as a plain `int` or `float` (not Optional) with a number as default: name ->
+    the `numbers` class a value must belong to. TRL's fields have their types as classes, ours as strings."""
+    kinds = {"int": numbers.Integral, "float": numbers.Real}
+    out = {}
+    for f in dataclasses.fields(config):
+        declared = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+        if declared in kinds and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+            out[f.name] = kinds[declared]
+    return out
 
 
 def is_coefficient(value) -> bool:
@@ -257,7 +271,28 @@ class VariantConfig(GRPOConfig):
         """Whether a term of the loss is normalised by a token count (`token_level_normalizer` applies)."""
         return self.loss_type in TOKEN_LEVEL_LOSS_TYPES
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("__post_init__")
+        if own is not None:
+            # a subclass's own checks run before it calls ours: its numbers are checked first, so that `None` (a
+            # YAML `~`, a forgotten value) is a one-line error naming the field, not a raw TypeError of a comparison
+            @functools.wraps(own)
+            def post_init(self):
+                self.check_numeric_fields()
+                own(self)
+
+            cls.__post_init__ = post_init
+
+    def check_numeric_fields(self) -> None:
+        """Every field declared as a plain `int` / `float` holds a number (not None, a bool or a string)."""
+        for name, kind in numeric_field_types(type(self)).items():
+            value = getattr(self, name)
+            check(isinstance(value, kind) and not isinstance(value, bool), name,
+                  "an integer" if kind is numbers.Integral else "a number", value)
+
     def __post_init__(self):
+        self.check_numeric_fields()
         # Our checks run before GRPOConfig's so that the user gets the one-line message naming the field (GRPOConfig
         # rejects num_generations < 2 with a message that does not name it).
         least, why = self.min_num_generations()
