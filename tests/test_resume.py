@@ -299,7 +299,7 @@ def test_weights_in_another_dtype_come_back_unrounded(tmp_path):
 # --------------------------------------------------------------------------------------------- another process count
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_processes_resume_a_one_process_checkpoint_with_its_global_state(toy_model_dir, tmp_path):
+def test_two_processes_resume_a_one_process_checkpoint_with_its_global_state(toy_model_dir, tmp_path, machines):
     """The scoring tally and the prompt selection's state (GRESO history and exploration, keep-rate estimate, refill
     position) are the run's, the same on every process: a 1-process checkpoint resumed by 2 processes gives both the
     saved values (were one process to start from zeros, the ranks would stop on unscorable batches at different
@@ -322,7 +322,8 @@ def test_two_processes_resume_a_one_process_checkpoint_with_its_global_state(toy
     selection = json.loads(json.dumps(state["extra"]["prompt_selection"]))  # as the script writes it
     assert selection["history"] and selection["keep_rate"] != [0.0, 0.0] and selection["source"]["offset"] > 0
 
-    accelerate_launch("resume_2proc.py", toy_model_dir, tmp_path, "resume", marker="RESUME-2PROC-OK")
+    accelerate_launch("resume_2proc.py", toy_model_dir, tmp_path, "resume", marker="RESUME-2PROC-OK",
+                      machines=machines)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, result in enumerate(ranks):
         restored = result["restored"]
