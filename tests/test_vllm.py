@@ -22,7 +22,6 @@ import sys
 import time
 
 import pytest
-from conftest import toy_args
 
 from trl_ppo_variants import vllm_cpu
 from trl_ppo_variants.trainers.rloo import RLOOConfig
@@ -135,17 +134,6 @@ def read_run(name: str, request) -> dict:
     path = os.path.join(directory, "result.json")
     assert proc.returncode == 0 and os.path.exists(path), proc.stdout[-3000:]
     return json.loads(open(path).read())
-
-
-def test_server_mode_is_refused_with_vllms_cpu_build(tmp_path, monkeypatch):
-    """TRL sends the weights to a `trl vllm-serve` server over NCCL: with vLLM's CPU build, one line naming colocate."""
-    monkeypatch.setattr(vllm_cpu, "engine_runs_on_cpu", lambda: True)
-    with pytest.raises(ValueError, match=r"^vllm_mode: expected 'colocate' with vLLM's CPU build") as err:
-        toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="server")
-    assert "\n" not in str(err.value)
-    toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="colocate")
-    monkeypatch.setattr(vllm_cpu, "engine_runs_on_cpu", lambda: False)  # a GPU build: TRL's server mode as it is
-    toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="server")
 
 
 def test_the_colocate_engine_is_swapped_in_for_colocate_mode_only(monkeypatch):

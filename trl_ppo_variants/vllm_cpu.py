@@ -90,6 +90,23 @@ def repack_tied_heads(model) -> list[str]:
     return heads
 
 
+def begin_weight_reload(model) -> None:
+    """Make a CPU engine's model loadable for a weight sync (vLLM's layerwise reload: its packed linear layers get
+    loadable parameters back); `end_weight_reload` once every weight arrived."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def end_weight_reload(model, model_config) -> list[str]:
+    """Finish a CPU engine's weight sync begun by `begin_weight_reload`: every layer packed again from its new weights,
+    the tied heads too (`repack_tied_heads`, whose names it returns)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    return repack_tied_heads(model)
+
+
 def reset_encoder_cache(llm) -> bool:
     """Drop the engine's cached image features after a weight sync; True when there was a cache to drop.
 
@@ -205,16 +222,10 @@ def _colocate_generation_class(base, on_cpu: bool):
                 super().sync_weights()
                 reset_encoder_cache(self.llm)
                 return
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
-
             model = engine_model(self.llm)
-            initialize_layerwise_reload(model)
-            super().sync_weights()
-            finalize_layerwise_reload(model, self.llm.llm_engine.vllm_config.model_config)
-            repack_tied_heads(model)  # (TRL's sync reset the prefix cache; nothing generated since)
+            begin_weight_reload(model)
+            super().sync_weights()  # (TRL's sync resets the prefix cache; nothing generated since)
+            end_weight_reload(model, self.llm.llm_engine.vllm_config.model_config)
             reset_encoder_cache(self.llm)
 
     name = "CPUColocateVLLMGeneration" if on_cpu else "ColocateVLLMGeneration"
