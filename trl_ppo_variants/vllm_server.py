@@ -242,8 +242,7 @@ def _engine_class():
 
 
 def register_backend() -> None:
-    """Register `BACKEND` in vLLM's weight-transfer registry of this process (again: nothing); also a
-    `vllm.general_plugins` entry point, for `vllm serve --weight-transfer-config '{"backend": "shared_memory"}'`."""
+    """Register `BACKEND` in vLLM's weight-transfer registry of this process (again: nothing)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if BACKEND not in WeightTransferEngineFactory._registry:
@@ -415,10 +414,33 @@ def _server_generation_class(base):
                        "NotImplementedError": NotImplementedError}.get(kind, RuntimeError)(message)
 
         def sync_weights(self):
-            super().sync_weights()
-            client = getattr(self, "vllm_client", None)  # the main process's
-            if self.mode == "server" and client is not None:
-                client.reset_encoder_cache()
+            if self.mode != "server":
+                return super().sync_weights()
+            with self._server_answers("a weight sync"):
+                super().sync_weights()
+                client = getattr(self, "vllm_client", None)  # the main process's
+                if client is not None:
+                    client.reset_encoder_cache()
+
+        def generate(self, *args, **kwargs):
+            if self.mode != "server":
+                return super().generate(*args, **kwargs)
+            with self._server_answers("generation"):
+                return super().generate(*args, **kwargs)
+
+        @contextlib.contextmanager
+        def _server_answers(self, what: str):
+            """A server that stopped answering (after the client's own retries) is one line naming it and what to
+            do: the run's checkpoints resume it once the server is back."""
+            import requests
+
+            try:
+                yield
+            except requests.ConnectionError as e:
+                url = getattr(getattr(self, "vllm_client", None), "base_url", "the vLLM server")
+                raise ConnectionError(
+                    f"the vLLM server at {url} stopped answering during {what} ({type(e).__name__}): restart it and "
+                    "resume from the run's last checkpoint (resume_from_checkpoint)") from e
 
     ServerVLLMGeneration.__name__ = ServerVLLMGeneration.__qualname__ = "ServerVLLMGeneration"
     return ServerVLLMGeneration
