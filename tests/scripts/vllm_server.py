@@ -37,8 +37,11 @@ torch.set_num_threads(1)
 
 
 def server_settings(base_url: str) -> dict:
-    """The vLLM settings of every case: server mode at `base_url`."""
-    return {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": base_url, "vllm_server_timeout": 30}
+    """The vLLM settings of every case: server mode at `base_url`, sampling seeded on the server (each request; its
+    completions get seed + index: a run is reproducible, as the colocate engine's, which TRL seeds) at temperature
+    1.5 (at 1 the toy model's groups were all alike in some runs, and a trainer did not move)."""
+    return {"use_vllm": True, "vllm_mode": "server", "vllm_server_base_url": base_url, "vllm_server_timeout": 30,
+            "generation_kwargs": {"seed": 0}, "temperature": 1.5}
 
 
 def server_logps(client, ids: list[int], start: int) -> torch.Tensor:
