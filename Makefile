@@ -56,7 +56,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 # The README's test command: the whole suite, multi-process and DeepSpeed tests included (tests/test_docs.py builds the
 # docs site strictly, as `make docs` does), and the tests that run vLLM's real CPU engine in its own virtualenv
 # (tests/test_vllm.py: every trainer under colocate mode, its two configuration checks need no engine and run there
-# too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3). Both environments are built, then both suites run, at
+# too; tests/test_vllm_distributed.py: 2 processes under ZeRO-3; tests/test_vllm_server.py: every trainer against a
+# `trl-ppo-variants vllm-serve` server process, 1 and 2 training processes, the server's failures). Both environments are built, then both suites run, at
 # the same time (`-j2`): the main suite on pytest-xdist's workers (TEST_JOBS, one torch thread each; every
 # `accelerate launch` takes a free port, tests/launcher.py), the vLLM tests one after the other beside it. Each suite's
 # output is printed whole when it ends (--output-sync); `make test-main` or `make test-vllm` runs one of them.
@@ -70,7 +71,7 @@ test-vllm: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VLLM_VENV))
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 --ignore=tests/test_vllm.py \
-		--ignore=tests/test_vllm_distributed.py tests
+		--ignore=tests/test_vllm_distributed.py --ignore=tests/test_vllm_server.py tests
 
 # The quick suite: no multi-process, DeepSpeed or slow learning tests.
 test-quick: $(STAMP)
@@ -88,7 +89,8 @@ test-multinode: $(STAMP)
 		--ignore=tests/test_vllm_distributed.py tests
 
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py
+	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py \
+		tests/test_vllm_server.py
 
 # The docs site (mkdocs.yml, docs/): built offline and strictly (a broken link, anchor, include or page fails) into site/,
 # in a virtualenv of its own that holds the `docs` extra and nothing of the package's runtime (no torch, TRL or

@@ -22,7 +22,6 @@ import sys
 import time
 
 import pytest
-from conftest import toy_args
 
 from trl_ppo_variants import vllm_cpu
 from trl_ppo_variants.trainers.rloo import RLOOConfig
@@ -135,17 +134,6 @@ def read_run(name: str, request) -> dict:
     path = os.path.join(directory, "result.json")
     assert proc.returncode == 0 and os.path.exists(path), proc.stdout[-3000:]
     return json.loads(open(path).read())
-
-
-def test_server_mode_is_refused_with_vllms_cpu_build(tmp_path, monkeypatch):
-    """TRL sends the weights to a `trl vllm-serve` server over NCCL: with vLLM's CPU build, one line naming colocate."""
-    monkeypatch.setattr(vllm_cpu, "engine_runs_on_cpu", lambda: True)
-    with pytest.raises(ValueError, match=r"^vllm_mode: expected 'colocate' with vLLM's CPU build") as err:
-        toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="server")
-    assert "\n" not in str(err.value)
-    toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="colocate")
-    monkeypatch.setattr(vllm_cpu, "engine_runs_on_cpu", lambda: False)  # a GPU build: TRL's server mode as it is
-    toy_args(RLOOConfig, tmp_path, use_vllm=True, vllm_mode="server")
 
 
 def test_the_colocate_engine_is_swapped_in_for_colocate_mode_only(monkeypatch):
@@ -351,7 +339,13 @@ def test_prompt_selection_rounds_are_one_engine_call_each(case, prefix, block, t
     """Dynamic sampling (DAPO), SPEED and GRESO under the engine: half the prompts have no reward spread, so steps
     take several rounds; each round is one vLLM call whose first holds the step's whole first round (over-sampled
     once a keep rate was observed), `block` completions per prompt (SPEED screens with 2)."""
-    result = _case(tied_run, case)
+    assert_selection_rounds(_case(tied_run, case), prefix, block)
+
+
+def assert_selection_rounds(result: dict, prefix: str, block: int) -> None:
+    """Each step's rounds (logged under `prefix`) were one generation call each, the first holding the step's whole
+    first round (`block` completions a prompt); some step took several rounds, and step 1's first round over-sampled
+    beyond the 2 groups a step trains on."""
     rounds = _logged(result, f"{prefix}/rounds")
     first_round = _logged(result, f"{prefix}/first_round_prompts")
     for step in (0, 1):
@@ -359,7 +353,7 @@ def test_prompt_selection_rounds_are_one_engine_call_each(case, prefix, block, t
         assert len(calls) == rounds[step], (result["generate_calls"], rounds)
         assert calls[0] == first_round[step] * block, (calls, first_round)
     assert max(rounds) >= 2, rounds
-    assert first_round[1] > 2, first_round  # over-sampled beyond the 2 groups a step trains on
+    assert first_round[1] > 2, first_round
 
 
 @needs_vllm

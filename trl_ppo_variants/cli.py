@@ -545,6 +545,23 @@ def run(algorithm: Algorithm, args: list[str]) -> int:
     return 0  # the process group is left to `entry` -> `distributed.finish`, which ends multi-process runs safely
 
 
+def vllm_serve(args: list[str]) -> int:
+    """`trl-ppo-variants vllm-serve --model DIR [--port N ...]`: the arguments of TRL's `trl vllm-serve` (its
+    `ScriptArguments`; others go to vLLM as they are), served by `vllm_server.serve`."""
+    from trl import TrlParser
+    from trl.scripts.vllm_serve import ScriptArguments
+
+    from . import vllm_server
+
+    parser = TrlParser(ScriptArguments, prog=f"{PROG} vllm-serve")
+    try:
+        script_args, extra_args = parser.parse_args_and_config(args=args, return_remaining_strings=True)
+    except SystemExit as e:  # --help, or argparse's own error
+        return int(e.code or 0)
+    vllm_server.serve(script_args, extra_args)
+    return 0
+
+
 #: transformers' deprecation of the `gradient_checkpointing*` names, which TRL's configs and trainers still use: the
 #: user can do nothing about it, and it would precede every one-line error
 _GRADIENT_CHECKPOINTING_DEPRECATION = r"`\w*gradient_checkpointing\w*` is deprecated"
@@ -564,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "recipes":
         print(recipes_listing())
         return 0
+    if argv[0] == "vllm-serve":
+        return vllm_serve(argv[1:])
     name, rest = argv[0], argv[1:]
     try:
         if name.startswith("-"):

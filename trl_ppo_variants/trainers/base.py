@@ -34,7 +34,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import checkpointing, generation, guards, rollout, vllm_cpu
+from .. import checkpointing, generation, guards, rollout, vllm_cpu, vllm_server
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..errors import check
 from ..losses import LOSS_TYPES, aggregate_token_loss, ppo_clip_policy_loss
@@ -307,10 +307,6 @@ class VariantConfig(GRPOConfig):
         check(self.sampling_logps_source in SAMPLING_LOGPS_SOURCES, "sampling_logps_source",
               f"one of {SAMPLING_LOGPS_SOURCES}", self.sampling_logps_source)
         check(self.temperature > 0, "temperature", "a number > 0", self.temperature)
-        if self.use_vllm and self.vllm_mode == "server":
-            check(not vllm_cpu.engine_runs_on_cpu(), "vllm_mode",
-                  "'colocate' with vLLM's CPU build (TRL sends the weights to a `trl vllm-serve` server over NCCL, "
-                  "which needs GPUs)", self.vllm_mode)
         returned = (self.generation_kwargs or {}).get("num_return_sequences") or 1
         check(returned == 1, "generation_kwargs", "no num_return_sequences above 1 (TRL's generation keeps one "
               "completion per prompt row; num_generations sets the group size)", self.generation_kwargs)
@@ -457,8 +453,8 @@ class VariantTrainer(GRPOTrainer):
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
         self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
-        # the sync's image cache; vLLM's CPU build: dtype, sync (vllm_cpu.py)
-        with vllm_cpu.colocate_engine(args), self._loading_reference(args):
+        # the sync's image cache; vLLM's CPU build: dtype, sync (vllm_cpu.py); server mode: vllm_server.py
+        with vllm_cpu.colocate_engine(args), vllm_server.server_generation(args), self._loading_reference(args):
             super().__init__(model, reward_funcs, args=args, **kwargs)
         self.use_reference_beta()
         #: whether the policy's logits are unchanged by a shift of a row's positions (`unusable_sampling_logps`)
