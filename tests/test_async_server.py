@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from launcher import accelerate_launch
-from test_vllm_server import SERVER_BOUND, Server, subprocess_env
+from test_vllm_server import SERVER_BOUND, Server, _case, subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -62,12 +62,6 @@ def cases_run(server, toy_model, tmp_path_factory):
                            *CASES, *RATIO_CASES], env=subprocess_env(), capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0 and out.exists(), (proc.stdout[-3000:], proc.stderr[-5000:])
     return json.loads(out.read_text())
-
-
-def _case(run, name):
-    result = run[name]
-    assert "error" not in result, result.get("traceback", result.get("error"))
-    return result
 
 
 def _logged(result, key):

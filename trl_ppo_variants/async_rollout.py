@@ -168,8 +168,9 @@ class AsyncRollout:
                 continue
             if index not in self.items:
                 break  # the epoch's end: the next epoch's first batch is generated when it comes
-            if (self.base_step + index) // t.args.gradient_accumulation_steps >= t.state.max_steps > 0:
-                break
+            trained_at = (self.base_step + index) // t.args.gradient_accumulation_steps
+            if trained_at >= t.state.max_steps > 0 or trained_at - t._last_loaded_step > self.max_staleness:
+                break  # past the run's end, or too old by the time it trains (steps_per_generation > accumulation)
             self.submitted.add(index)
             self.submit(self.items[index])
         for old in [i for i in self.items if i < current]:

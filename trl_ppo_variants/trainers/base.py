@@ -58,6 +58,8 @@ TRL_PRIVATE_API = {
     "_load_best_model": ("self",),  # base (VLM keys), PPO (value model)
     "_push_from_checkpoint": ("self", "checkpoint_folder"),  # PPO (value model)
     "_issue_warnings_after_load": ("self", "load_result"),  # base (tied weights), PPO (value model)
+    "get_batch_samples": ("self", "epoch_iterator", "num_batches", "device"),  # base (max_staleness: read ahead)
+    "_get_num_items_in_batch": ("self", "batch_samples", "device"),  # base (max_staleness)
 }
 
 
