@@ -129,6 +129,7 @@ class AsyncRollout:
         generation on the server), as TRL's `_generate_single_turn` would sync it."""
         t = self.trainer
         self._install_client()
+        self.answered = []  # a later request of the last generation (ReMax's greedy rows) is not this one's
         if t.state.global_step == t._last_loaded_step:
             return
         self.wait_idle()
@@ -138,7 +139,7 @@ class AsyncRollout:
             t.vllm_generation.sync_weights()
         t._last_loaded_step = t.state.global_step
 
-    def after_generation(self, prompt_ids: list, num_generations: int) -> None:
+    def after_generation(self) -> None:
         """Every process, after a generation of TRL's: log the staleness of what was answered (the main process's
         number, broadcast) and, in training, queue the next batches' requests (once a generation batch)."""
         from accelerate.utils import broadcast_object_list

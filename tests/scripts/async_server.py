@@ -4,8 +4,8 @@
     accelerate launch --num_processes 2 tests/scripts/async_server.py OUT_DIR/ BASE_URL MODEL_DIR CASE ...
 
 The server at BASE_URL serves MODEL_DIR (`vllm_colocate.build_model("tied")`). Each case (a name of
-`vllm_colocate.CASES`, or of `EXTRA_CASES`) builds its trainer in server mode with `max_staleness=1`, trains 2 steps
-(the ratio cases 3) and reports: the requests answered (global step, completions a prompt, the policy version that generated them,
+`vllm_colocate.CASES`, or of `EXTRA_CASES`) builds its trainer in server mode with `max_staleness=1`, trains `STEPS`
+steps and reports: the requests answered (global step, completions a prompt, the policy version that generated them,
 whether it was queued ahead: `AsyncRollout.history`, main process), the logged numbers, how far the policy moved;
 the ratio cases also record, at every micro-batch of the loss, how the clipped objective's weights relate to the
 sampling policy's log-probs (`record_ratios`). Under `accelerate launch` (OUT ends with `/`) each rank writes its own
@@ -20,6 +20,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import vllm_colocate  # noqa: E402
 from vllm_colocate import CASES, case_trainer, moved, numeric_logs  # noqa: E402
 from vllm_server import full_parameters, server_settings  # noqa: E402
 
@@ -31,10 +32,22 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+STEPS = 3
+
+
+def spread_reward(completions, **kwargs):
+    """A number that differs between almost any two different completions (`vllm_colocate.varied_reward`, the
+    count of distinct characters, ties often in groups of short answers): a step whose groups hold different
+    completions moves the policy. Installed as the cases' "varied" reward (and inside their "mixed" one)."""
+    return [float(sum(map(ord, c if isinstance(c, str) else c[-1]["content"])) % 97) / 97 for c in completions]
+
+
+vllm_colocate.varied_reward = spread_reward
+
 #: GRPO with TRL's correction left untruncated (its weight is pi_old / pi_sampling exactly), and without it
 EXTRA_CASES = {
-    # DAPO whose every group has a spread: its keep rate stays 1, so its first round is the dataloader's batch
-    "dapo_spread": ("dapo", {"max_generation_rounds": 4}, {}),
+    # DAPO without over-sampling: its first round is the dataloader's batch (queued ahead), its refills fresh
+    "dapo_first_round": ("dapo", {"max_generation_rounds": 4, "max_oversample_factor": 1.0}, {"reward": "mixed"}),
     "ratio_on": ("grpo", {"vllm_importance_sampling_mode": "token_truncate",
                           "vllm_importance_sampling_clip_max": 1e6}, {}),
     "ratio_off": ("grpo", {"vllm_importance_sampling_correction": False}, {}),
@@ -78,7 +91,7 @@ def run_case(name: str, base_url: str, model_dir: str) -> dict:
     records = []
     if name.startswith("ratio"):
         record_ratios(trainer, records)
-        trainer.args.max_steps = 3  # a step-0 batch without a reward spread leaves the policy as it was
+    trainer.args.max_steps = STEPS  # a step whose groups hold one completion each leaves the policy as it was
     initial = full_parameters(trainer)
     start = time.perf_counter()
     trainer.train()

@@ -743,7 +743,7 @@ class VariantTrainer(GRPOTrainer):
             return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         self._async.before_generation()
         result = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        self._async.after_generation(prompt_ids, num_generations)
+        self._async.after_generation()
         return result
 
     def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
