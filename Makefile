@@ -71,7 +71,7 @@ test-vllm: export TORCH_EXTENSIONS_DIR = $(call EXTENSIONS,$(VLLM_VENV))
 
 test-main: $(STAMP)
 	$(PY) -m pytest -q -rs -n $(TEST_JOBS) --dist worksteal --durations=30 --ignore=tests/test_vllm.py \
-		--ignore=tests/test_vllm_distributed.py --ignore=tests/test_vllm_server.py tests
+		--ignore=tests/test_vllm_distributed.py --ignore=tests/test_vllm_server.py --ignore=tests/test_async_server.py tests
 
 # The quick suite: no multi-process, DeepSpeed or slow learning tests.
 test-quick: $(STAMP)
@@ -90,7 +90,7 @@ test-multinode: $(STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest -q -rs --durations=10 tests/test_vllm.py tests/test_vllm_distributed.py \
-		tests/test_vllm_server.py
+		tests/test_vllm_server.py tests/test_async_server.py
 
 # The docs site (mkdocs.yml, docs/): built offline and strictly (a broken link, anchor, include or page fails) into site/,
 # in a virtualenv of its own that holds the `docs` extra and nothing of the package's runtime (no torch, TRL or

@@ -448,6 +448,16 @@ class PromptSelection:
         if "exploration" in state:
             self.p_easy, self.p_hard = (float(x) for x in state["exploration"])
 
+    def first_round_is_the_batch(self) -> bool:
+        """Whether a step's first round, as planned now, generates the dataloader's batch as TRL lays it out (the
+        request an overlapped generation can queue ahead): dynamic sampling whose keep-rate estimate asks for no
+        more prompts than the batch holds; never with SPEED's screening or GRESO's skipping."""
+        t = self.trainer
+        G, world = t.num_generations, t.accelerator.num_processes
+        target = t.args.generation_batch_size // G
+        first = plan_round(max(target, self.round_prompts(target)), 0, self.screen_size, G, world)[0]
+        return not (self.speed or self.greso) and first == target
+
     # -------------------------------------------------------------------------------- choosing prompts
     def round_prompts(self, needed: int) -> int:
         """New prompts for a round that must bring `needed` more groups with a spread (`prompts_to_generate`)."""
@@ -727,6 +737,11 @@ class PromptSelectionMixin:
 
     def use_selection_scores(self, scores: dict) -> None:
         """Hand the estimator `selection_scores` of the kept rows (in the batch's order) before its advantages."""
+
+    def prefetches_generation(self) -> bool:
+        if self.prompt_selection is None:
+            return super().prefetches_generation()
+        return self.prompt_selection.first_round_is_the_batch()
 
     def _generate_and_score_completions(self, inputs):
         if not (self.model.training and self.prompt_selection is not None):

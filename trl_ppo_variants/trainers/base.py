@@ -34,7 +34,7 @@ import torch
 from transformers.utils import logging
 from trl import GRPOConfig, GRPOTrainer
 
-from .. import checkpointing, generation, guards, rollout, vllm_cpu, vllm_server
+from .. import async_rollout, checkpointing, generation, guards, rollout, vllm_cpu, vllm_server
 from ..advantages import KL_KINDS, grpo_advantages, kl_estimate, normalize_then_sum_advantages
 from ..errors import check
 from ..losses import LOSS_TYPES, aggregate_token_loss, ppo_clip_policy_loss
@@ -60,6 +60,8 @@ TRL_PRIVATE_API = {
     "_load_best_model": ("self",),  # base (VLM keys), PPO (value model)
     "_push_from_checkpoint": ("self", "checkpoint_folder"),  # PPO (value model)
     "_issue_warnings_after_load": ("self", "load_result"),  # base (tied weights), PPO (value model)
+    "get_batch_samples": ("self", "epoch_iterator", "num_batches", "device"),  # base (max_staleness: read ahead)
+    "_get_num_items_in_batch": ("self", "batch_samples", "device"),  # base (max_staleness)
 }
 
 
@@ -198,6 +200,15 @@ class VariantConfig(GRPOConfig):
             spread; then dynamic sampling) or `"speed+greso"`. Only for the estimators that use groups (GRPO, RLOO,
             REINFORCE++-baseline, DAPO, process GRPO; tuned by their `PromptSelectionFields`); the others refuse it
             with the reason.
+        max_staleness (`int`, *optional*, defaults to `0`):
+            How many optimizer steps old a generation batch may be when it trains (TRL's `AsyncGRPOConfig` name).
+            `0`: synchronous generation, today's code path. `k >= 1`: while a step trains, the vLLM server already
+            generates the batches of the next `k` steps with the current policy (`trl_ppo_variants.async_rollout`);
+            an answer older than `k` steps is generated again, never trained on. Needs `use_vllm=True` and
+            `vllm_mode="server"`. The sampling policy's log-probs (the server's) feed TRL's
+            `vllm_importance_sampling_correction`, which then weights the clipped objective by pi_old / pi_sampling
+            (the decoupled objective of AReaL, arXiv 2505.24298); a checkpoint drops the queued batches, so that a
+            resumed run generates what the uninterrupted run generated.
 
     `num_generations` must be >= 2 except for the estimators that need no group (plain REINFORCE++ and ReMax accept
     1). `multi_objective_aggregation="normalize_then_sum"` (GDPO) is accepted by the configs whose advantage is
@@ -253,6 +264,13 @@ class VariantConfig(GRPOConfig):
         default="none",
         metadata={"help": "Choose prompts while generating: 'none', 'dynamic_sampling' (DAPO), 'speed' (SPEED "
                           "screening, arXiv 2506.09016), 'greso' (GRESO skipping, arXiv 2506.02177) or 'speed+greso'."},
+    )
+
+    max_staleness: int = field(
+        default=0,
+        metadata={"help": "How many optimizer steps old a generation batch may be (0: synchronous generation; k >= 1: "
+                          "the vLLM server generates the next k batches while a step trains; needs use_vllm=True and "
+                          "vllm_mode='server')."},
     )
 
     #: `multi_objective_aggregation` values this config's estimator gives a meaning to (GRPO-advantage configs add
@@ -332,6 +350,12 @@ class VariantConfig(GRPOConfig):
             refused = self.prompt_selection_refused()
             check(refused is None, "prompt_selection", f"'none' for {type(self).__name__} ({refused})",
                   self.prompt_selection)
+        check(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
+              and self.max_staleness >= 0, "max_staleness", "an integer >= 0", self.max_staleness)
+        if self.max_staleness:
+            check(self.use_vllm and self.vllm_mode == "server", "max_staleness",
+                  "0 unless use_vllm=True and vllm_mode='server' (the overlapped generation runs on the vLLM server)",
+                  self.max_staleness)
         one = self.num_generations == 1
         if one:
             self.num_generations = _GroupOfOne(1)
@@ -453,6 +477,9 @@ class VariantTrainer(GRPOTrainer):
         self.kl_in_reward_estimator = getattr(args, "kl_in_reward_estimator", "k1")
         self.sampling_logps_source = getattr(args, "sampling_logps_source", "generate")
         self.needs_reference = self.loss_beta != 0.0 or self.kl_in_reward_coef != 0.0
+        if getattr(args, "max_staleness", 0):
+            refused = self.async_refused(kwargs)
+            check(refused is None, "max_staleness", f"0 for {type(self).__name__} ({refused})", args.max_staleness)
         # the sync's image cache; vLLM's CPU build: dtype, sync (vllm_cpu.py); server mode: vllm_server.py
         with vllm_cpu.colocate_engine(args), vllm_server.server_generation(args), self._loading_reference(args):
             super().__init__(model, reward_funcs, args=args, **kwargs)
@@ -463,6 +490,8 @@ class VariantTrainer(GRPOTrainer):
         #: given none (`generation.computes_own_positions`)
         self.own_positions = generation.computes_own_positions(self.model)
         guards.check_model_limits(self)
+        #: the overlapped generation (`max_staleness >= 1`), None for synchronous generation
+        self._async = async_rollout.AsyncRollout(self) if getattr(self.args, "max_staleness", 0) else None
 
     #: the config class this trainer takes (a subclass sets its own)
     config_class = VariantConfig
@@ -565,6 +594,8 @@ class VariantTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model, trial):
+        if getattr(self, "_async", None) is not None:  # what a resumed run cannot regenerate is not trained on
+            self._async.drop()
         # atomic (completion marker) and complete (generation buffer, `_step`, extra state): see checkpointing.py
         checkpointing.save_checkpoint(self, model, trial, super()._save_checkpoint)
 
@@ -602,7 +633,13 @@ class VariantTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # True must skip a checkpoint left half-written by a killed run (transformers picks the highest number)
         resume_from_checkpoint = checkpointing.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if getattr(self, "_async", None) is not None:
+            self._async.start()
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if getattr(self, "_async", None) is not None:
+                self._async.drop()
         tally = self.scoring_tally
         if (self.args.max_unscorable_batches is not None and tally["batches"]
                 and tally["unscorable_batches"] == tally["batches"]):  # the run learned nothing at all
@@ -734,7 +771,41 @@ class VariantTrainer(GRPOTrainer):
             images = no_image_as_empty_list(images)
         return (*generated, images, tool_images)
 
+    # -------------------------------------------------------------------------------------------- overlapped generation
+    def async_refused(self, kwargs: dict) -> str | None:
+        """Why this trainer, given its constructor's keyword arguments, cannot generate ahead of training
+        (`max_staleness >= 1`), or None: multi-turn generation (tools, environments, a `rollout_func`) makes requests
+        that are not known before the batch trains."""
+        if any(kwargs.get(name) for name in ("tools", "environment_factory", "rollout_func")):
+            return "tools, environments and rollout_func generate in several turns, which are not prefetched"
+        return None
+
+    def prefetches_generation(self) -> bool:
+        """Whether the next generation batch's requests are queued ahead now (`max_staleness >= 1`): a step whose first
+        request will not be the dataloader's batch (a prompt selection's larger first round, SPEED's screening,
+        GRESO's skipping) makes each request when it comes, with the current policy."""
+        return True
+
+    def async_requests(self, prompt_ids: list, num_generations: int) -> list[tuple[list, int, dict]]:
+        """The server requests TRL's generation of a batch makes, as (this process's prompt ids, completions a prompt,
+        sampling parameters changed) triples, in order: queued together, so generated with one policy version."""
+        return [(prompt_ids, num_generations, {})]
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if getattr(self, "_async", None) is None:
+            return super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples = self._async.batch_samples(epoch_iterator, num_batches)
+        return batch_samples, self._get_num_items_in_batch(batch_samples, device)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        if getattr(self, "_async", None) is None:
+            return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        self._async.before_generation()
+        result = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        self._async.after_generation()
+        return result
+
+    def _generate_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         # Every change to TRL's HF `generate` call goes through one wrapper (generation.patched_generate): ReMax's
         # greedy rows and the sampling log-probs that spare the KL in the reward a forward pass.
         processors = self.generation_logits_processors()
@@ -811,6 +882,12 @@ class VariantTrainer(GRPOTrainer):
         advantages."""
         output = super()._generate_and_score_completions(inputs)
         self.track_scorable(self._captured_rewards_per_func, self.num_generations, prompts)
+        if getattr(self, "_async", None) is not None and "importance_sampling_ratio" in output:
+            counts = async_rollout.corrected_share(output["old_per_token_logps"], output["sampling_per_token_logps"],
+                                                   output["importance_sampling_ratio"], rollout.loss_mask(output))
+            counts = self.accelerator.reduce(torch.stack(counts), reduction="sum")
+            mode = "train" if self.model.training else "eval"
+            self._metrics[mode][async_rollout.CORRECTED_SHARE].append((counts[0] / counts[1].clamp(min=1)).item())
         return output
 
     def _compute_loss(self, model, inputs):

@@ -218,6 +218,14 @@ class ReMaxTrainer(VariantTrainer):
                         "completion_ids": greedy_ids}
         return completion_ids, logprobs
 
+    def async_requests(self, prompt_ids, num_generations):
+        # the greedy rows' request is queued right after the sampled rows': both with one policy version
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = owned_group_rows(rank, len(prompt_ids), num_generations)
+        padded = max(len(owned_group_rows(r, len(prompt_ids), num_generations)) for r in range(world))
+        greedy = self.engine_prompt_ids([prompt_ids[i] for i in rows] + [prompt_ids[0]] * (padded - len(rows)))
+        return [*super().async_requests(prompt_ids, num_generations), (greedy, 1, {"temperature": 0.0})]
+
     def generation_logits_processors(self):
         processors = super().generation_logits_processors()
         if self._greedy_rows_pending:
