@@ -14,7 +14,7 @@ import importlib
 import re
 from pathlib import Path
 
-from trl_ppo_variants import algorithms
+from trl_ppo_variants import algorithms, cli
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```", re.M | re.S)
@@ -77,7 +77,7 @@ def bash_problems(code: str) -> list[str]:
     """What is wrong with one bash block ([] when nothing is)."""
     problems = []
     targets = _make_targets()
-    commands = set(algorithms.REGISTRY) | {"recipes"}
+    commands = set(algorithms.REGISTRY) | set(cli.COMMANDS)
     for line in code.splitlines():
         line = line.split("#", 1)[0]
         for target in re.findall(r"(?:^|\s)make ([\w-]+)", line):

@@ -36,7 +36,7 @@ def test_every_config_has_max_staleness_and_needs_the_server_for_it(config_cls, 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "1"])
 def test_max_staleness_must_be_a_count(value, tmp_path):
-    with pytest.raises(ValueError, match=r"^max_staleness: expected an integer >= 0, got "):
+    with pytest.raises(ValueError, match=r"^max_staleness: expected an integer( >= 0)?, got "):
         toy_args(VariantConfig, tmp_path, max_staleness=value, **SERVER)
 
 

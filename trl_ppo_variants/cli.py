@@ -48,6 +48,8 @@ from .inputs import (
 
 PROG = "trl-ppo-variants"
 TRACEBACK_ENV = "TRL_PPO_VARIANTS_TRACEBACK"
+#: the commands that are not an algorithm: the recipes' listing and the vLLM server
+COMMANDS = ("recipes", "vllm-serve")
 
 
 # ------------------------------------------------------------------------------------------------- algorithms
@@ -110,6 +112,8 @@ def top_level_help() -> str:
         f"Run `{PROG} <algorithm> --help` for every field of that algorithm (its config, TRL's GRPOConfig, ModelConfig",
         "and the script arguments). Fields can be set in the YAML recipe or on the command line; the command line wins.",
         f"--config takes a YAML file or the name of a recipe shipped with the package (`{PROG} recipes` lists them).",
+        f"`{PROG} vllm-serve --model DIR --port N` serves a model for `use_vllm=True, vllm_mode=\"server\"` (the",
+        "arguments of TRL's `trl vllm-serve`; on vLLM's CPU build too).",
         "",
         "examples:",
         f"  {PROG} dapo --config dapo",
