@@ -95,7 +95,8 @@ def prepare(mode: str, model_dir: str):
     return engine
 
 
-def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iterations: int) -> dict:
+def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iterations: int,
+            workload: str = "model") -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -108,9 +109,18 @@ def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iter
     runs = []
     for _ in range(iterations):
         start_usage, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        logits = model(input_ids=ids).logits[:, prompt - 1:-1].float()
+        if workload == "logits":  # the loss's tensors alone, at their size: (rows, length - prompt, vocabulary)
+            logits = torch.randn(rows, length - prompt, model.config.vocab_size, requires_grad=True)
+        else:
+            logits = model(input_ids=ids).logits[:, prompt - 1:-1].float()
         logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, prompt:, None]).squeeze(-1)
         (-logps.mean()).backward()
+        if workload == "logits":
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            runs.append({"wall": time.perf_counter() - start, "load_average": os.getloadavg()[0],
+                         **{k[3:]: getattr(usage, k) - getattr(start_usage, k) for k in RUSAGE}})
+            del logits, logps
+            continue
         optimizer.step()
         optimizer.zero_grad()
         del logits, logps
@@ -118,7 +128,7 @@ def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iter
         runs.append({"wall": wall, **{k[3:]: getattr(usage, k) - getattr(start_usage, k) for k in RUSAGE},
                      "load_average": os.getloadavg()[0]})
     del keep
-    return {"mode": mode, "rows": rows, "length": length, "status_before": before, "status_after": status(),
+    return {"mode": mode, "workload": workload, "rows": rows, "length": length, "status_before": before, "status_after": status(),
             "iterations": runs}
 
 
@@ -129,6 +139,8 @@ def main(argv=None) -> int:
     parser.add_argument("--length", type=int, default=152)
     parser.add_argument("--prompt", type=int, default=24, help="prompt tokens (the loss is over the rest)")
     parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--workload", choices=["model", "logits"], default="model",
+                        help="the model's forward and backward, or the loss's log-softmax over random logits alone")
     parser.add_argument("--model-dir")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "colocate_counters.json"))
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -140,13 +152,14 @@ def main(argv=None) -> int:
     model_dir = opts.model_dir or smollm2_checkpoint()
     if opts.worker:
         print("RESULT " + json.dumps(measure(opts.worker, model_dir, opts.rows, opts.length, opts.prompt,
-                                             opts.iterations)), flush=True)
+                                             opts.iterations, opts.workload)), flush=True)
         return 0
     results = []
     for mode in opts.modes.split(","):
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", mode, "--model-dir", model_dir,
                                "--rows", str(opts.rows), "--length", str(opts.length), "--prompt", str(opts.prompt),
-                               "--iterations", str(opts.iterations)], capture_output=True, text=True, check=False)
+                               "--iterations", str(opts.iterations),
+                               "--workload", opts.workload], capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
             print(f"{mode}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
