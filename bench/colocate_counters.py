@@ -59,6 +59,31 @@ def status() -> dict:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "ld_preload": os.environ.get("LD_PRELOAD", "")}
 
 
+def threads() -> dict:
+    """Per thread of this process: name, voluntary context switches, CPU ticks (user + system)."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                fields = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[tid] = (fields["Name"], int(fields["voluntary_ctxt_switches"]), int(stat[11]) + int(stat[12]))
+    return out
+
+
+def thread_activity(seconds: float) -> list:
+    """The threads that woke up while this process's main thread slept `seconds`: (name, voluntary context switches,
+    CPU ticks) each, the busiest first."""
+    before = threads()
+    time.sleep(seconds)
+    after = threads()
+    rows = [(after[t][0], after[t][1] - before[t][1], after[t][2] - before[t][2]) for t in after if t in before]
+    return sorted((r for r in rows if r[1] or r[2]), key=lambda r: -r[1])
+
+
 def build_engine(model_dir: str):
     """A colocate engine as TRL 1.16 builds one (one process, external launcher), sized as `vllm_speed` sizes it."""
     from vllm_speed import ENGINE, MAX_NUM_SEQS
@@ -127,9 +152,10 @@ def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iter
         wall, usage = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
         runs.append({"wall": wall, **{k[3:]: getattr(usage, k) - getattr(start_usage, k) for k in RUSAGE},
                      "load_average": os.getloadavg()[0]})
+    idle = thread_activity(5.0)
     del keep
-    return {"mode": mode, "workload": workload, "rows": rows, "length": length, "status_before": before, "status_after": status(),
-            "iterations": runs}
+    return {"mode": mode, "workload": workload, "rows": rows, "length": length, "status_before": before,
+            "status_after": status(), "iterations": runs, "idle_threads_5s": idle}
 
 
 def main(argv=None) -> int:
