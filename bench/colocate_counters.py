@@ -55,7 +55,7 @@ def status() -> dict:
     except OSError:
         pass
     return {**fields, "torch_threads": torch.get_num_threads(), "numa_policies": dict(policies),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "ld_preload": os.environ.get("LD_PRELOAD", "")}
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "ld_preload": ":".join(os.path.basename(x) for x in os.environ.get("LD_PRELOAD", "").split(":") if x)}
 
 
 def threads() -> dict:

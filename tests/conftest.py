@@ -102,7 +102,7 @@ def toy_args(config_cls, tmp_path, **overrides):
     kwargs.update(overrides)
     if ("overlong_penalty" in getattr(config_cls, "__dataclass_fields__", {})
             and not {"overlong_penalty", "overlong_cache_length"} & set(overrides)
-            and kwargs["max_completion_length"] < 5):
+            and isinstance(kwargs["max_completion_length"], int) and kwargs["max_completion_length"] < 5):
         # DAPO's shaping has no soft zone in fewer than 5 tokens (a 0-token default cache penalises nothing, which
         # DAPOConfig refuses): the toy runs without it unless a test sets it up
         kwargs["overlong_penalty"] = False

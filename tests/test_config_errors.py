@@ -201,3 +201,15 @@ def test_none_in_any_numeric_field_is_a_one_line_error(spec, tmp_path):
         else:
             wrong[name] = "accepted"
     assert not wrong, wrong
+
+
+def test_optional_numbers_take_none_after_a_command_line_was_parsed(tmp_path):
+    """transformers' `HfArgumentParser` (the CLI's, TRL's) rewrites a dataclass field's `type` in place (`int | None`
+    becomes `int`): the numeric check reads the classes' annotations, so `max_unscorable_batches=None` (documented:
+    never stop) is still accepted after a parser was built in the same process."""
+    from conftest import toy_args
+    from transformers import HfArgumentParser
+
+    config_cls = load_spec("dapo")[0]
+    HfArgumentParser(config_cls)
+    assert toy_args(config_cls, tmp_path, max_unscorable_batches=None).max_unscorable_batches is None

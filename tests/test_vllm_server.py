@@ -27,6 +27,7 @@ from test_vllm import _case, _logged, assert_selection_rounds
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
 sys.path.insert(0, str(SCRIPTS))
+import vllm_colocate as vllm_colocate_cases  # noqa: E402
 #: server vs policy, max per-token |log-prob difference| of fixed completions: the colocate engine's bound
 #: (`test_vllm.ENGINE_BOUND`; the server's sync is the colocate CPU engine's, through a file)
 SERVER_BOUND = 1e-4
@@ -264,9 +265,8 @@ def test_two_training_processes_share_one_server(launch, case, launches):
 
 
 # ------------------------------------------------------------------------------------------------- a VLM
-#: every trainer on the tiny Idefics3 (`vllm_colocate.VLM_CASES`)
-VLM_CASES = ["grpo", "rloo", "remax", "reinforce_pp", "reinforce_pp_baseline", "dapo", "ppo", "vapo", "ttrl",
-             "process_grpo"]
+#: every trainer on the tiny Idefics3, the colocate tests' cases
+VLM_CASES = list(vllm_colocate_cases.VLM_CASES)
 
 
 @pytest.fixture(scope="module")

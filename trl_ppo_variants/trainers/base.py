@@ -79,15 +79,21 @@ def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def numeric_field_types(config) -> dict[str, type]:
-    """The fields of a config declared as a plain `int` or `float` (not Optional) with a number as default: name ->
-    the `numbers` class a value must belong to. TRL's fields have their types as classes, ours as strings."""
+@functools.lru_cache(maxsize=None)
+def numeric_field_types(config: type) -> dict[str, type]:
+    """The fields of a config class declared as a plain `int` or `float` (not Optional) with a number as default: name
+    -> the `numbers` class a value must belong to. Read from the classes' own annotations (strings for ours, classes
+    for TRL's), not from `dataclasses.fields`: transformers' `HfArgumentParser` rewrites those fields' `type` in place
+    (an `int | None` becomes `int`) once a command line was parsed."""
     kinds = {"int": numbers.Integral, "float": numbers.Real}
+    declared = {}
+    for klass in reversed(config.__mro__):  # a subclass's annotation overrides its base's
+        for name, annotation in vars(klass).get("__annotations__", {}).items():
+            declared[name] = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
     out = {}
     for f in dataclasses.fields(config):
-        declared = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
-        if declared in kinds and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
-            out[f.name] = kinds[declared]
+        if declared.get(f.name) in kinds and isinstance(f.default, (int, float)) and not isinstance(f.default, bool):
+            out[f.name] = kinds[declared[f.name]]
     return out
 
 
