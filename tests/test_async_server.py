@@ -5,7 +5,7 @@ One server for the module (`test_vllm_server.Server`: `trl-ppo-variants vllm-ser
 free loopback port). Against it: every trainer's case trains 2 steps with `max_staleness=1` in one subprocess
 (`tests/scripts/async_server.py`); the off-policy correction's weights against the sampling policy's log-probs, with
 and without TRL's correction; a run stopped at its checkpoint and resumed; two training processes (DDP) sharing the
-server. The server is killed with its whole process group at the end.
+server (DDP and ZeRO-3). The server is killed with its whole process group at the end.
 """
 
 import importlib.util
@@ -166,21 +166,29 @@ def test_a_resumed_run_reproduces_the_uninterrupted_run(server, toy_model, tmp_p
 
 
 # ------------------------------------------------------------------------------------------------- two processes
-@pytest.fixture(scope="module")
-def launch(server, toy_model, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    accelerate_launch("async_server.py", f"{out}/", server.url, toy_model, *LAUNCH_CASES, timeout=900)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+#: launch: its accelerate config (ZeRO-3: a sync gathers the sharded parameters on every rank while the main
+#: process's worker may still be generating; the gather waits for the worker on the main process only)
+LAUNCH_CONFIGS = {"ddp": None, "zero3": ROOT / "tests" / "configs" / "critic_zero3.yaml"}
+
+
+@pytest.fixture(scope="module", params=list(LAUNCH_CONFIGS))
+def launch(request, server, toy_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    accelerate_launch("async_server.py", f"{out}/", server.url, toy_model, *LAUNCH_CASES,
+                      config_file=LAUNCH_CONFIGS[request.param], timeout=900)
+    return request.param, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.mark.parametrize("case", LAUNCH_CASES)
 def test_two_training_processes_train_the_same_stale_batches(case, launch):
-    """`accelerate launch --num_processes 2`: only the main process queues requests; both ranks log the same
-    staleness (the main process's, broadcast), trained the same steps and moved their policies alike."""
-    main, other = (rank[case] for rank in launch)
+    """`accelerate launch --num_processes 2` (DDP; ZeRO-3): only the main process queues requests; both ranks log
+    the same staleness (the main process's, broadcast), trained the same steps and moved their policies alike."""
+    name, ranks = launch
+    main, other = (rank[case] for rank in ranks)
     for result in (main, other):
         assert "error" not in result, result.get("traceback", result.get("error"))
         assert result["world"] == 2 and result["steps"] == 3, result
+        assert result["deepspeed_stage"] == (3 if name == "zero3" else None), result
     assert _logged(main, "async/staleness") == _logged(other, "async/staleness") == [0.0, 1.0, 1.0]
     assert other["history"] == [] and all(version == step - (step > 0) for step, _, version, _ in main["history"])
     assert main["policy_moved"] == other["policy_moved"] > 1e-3

@@ -38,9 +38,13 @@ CASES = ["grpo", "grpo_lora", "rloo", "remax", "reinforce_pp", "reinforce_pp_bas
          "grpo_greso", "ttrl", "ppo", "vapo", "process_grpo"]
 #: the two-process launches, (accelerate config, cases): DDP (no config) with the trainers whose generation calls
 #: differ from GRPO's (ReMax's greedy rows, DAPO's and SPEED's rounds, TTRL's votes), and DeepSpeed ZeRO-3
-LAUNCHES = {"ddp": (None, ["grpo", "rloo", "remax", "dapo", "grpo_speed", "ttrl", "ppo"]),
-            "zero3": (ROOT / "tests" / "configs" / "critic_zero3.yaml", ["grpo", "ppo"])}
-LAUNCH_CASES = [(launch, case) for launch, (_, cases) in LAUNCHES.items() for case in cases]
+ZERO3 = ROOT / "tests" / "configs" / "critic_zero3.yaml"
+#: launch: (accelerate config, cases, machines); "zero3_2machines" is the multi-node recipe (multi_node_zero3.yaml,
+#: sized down by tests/launcher.py) as two `accelerate launch` commands on this host, both talking to the one server
+LAUNCHES = {"ddp": (None, ["grpo", "rloo", "remax", "dapo", "grpo_speed", "ttrl", "ppo"], 1),
+            "zero3": (ZERO3, ["grpo", "ppo"], 1),
+            "zero3_2machines": (ZERO3, ["grpo", "remax"], 2)}
+LAUNCH_CASES = [(launch, case) for launch, (_, cases, _) in LAUNCHES.items() for case in cases]
 #: the cases of one generation call a step (8 rows a rank)
 ONE_CALL = {"grpo", "rloo", "ttrl", "ppo"}
 
@@ -231,10 +235,10 @@ def test_the_critic_trains_and_stays_out_of_the_server(case, cases_run):
 def launches(server, toy_model, tmp_path_factory):
     """{launch: {case: [rank 0's result, rank 1's]}} of the two-process launches against the one server."""
     results = {}
-    for name, (config, cases) in LAUNCHES.items():
+    for name, (config, cases, machines) in LAUNCHES.items():
         out = tmp_path_factory.mktemp(name)
         accelerate_launch("vllm_server.py", f"{out}/", server.url, toy_model, *cases, config_file=config,
-                          timeout=900)
+                          machines=machines, timeout=900)
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
         results[name] = {case: [rank[case] for rank in ranks] for case in cases}
     return results
@@ -242,15 +246,18 @@ def launches(server, toy_model, tmp_path_factory):
 
 @pytest.mark.parametrize("launch, case", LAUNCH_CASES)
 def test_two_training_processes_share_one_server(launch, case, launches):
-    """`accelerate launch --num_processes 2` (DDP; ZeRO-3, its parameters sharded): only the main process holds a
-    client and syncs, once a step; both ranks made the same generation calls (each its own rows: 8 a call, ReMax's
-    2 greedy rows, DAPO's and SPEED's rounds alike) and trained alike, and the server matches the main process's
-    policy after training and a sync (under ZeRO-3 the gathered full parameters)."""
+    """`accelerate launch --num_processes 2` (DDP; ZeRO-3, its parameters sharded; ZeRO-3 as two machines, one
+    launcher each): only the main process holds a client and syncs, once a step; both ranks made the same generation
+    calls (each its own rows: 8 a call, ReMax's 2 greedy rows, DAPO's and SPEED's rounds alike) and trained alike,
+    and the server matches the main process's policy after training and a sync (under ZeRO-3 the gathered full
+    parameters)."""
     main, other = launches[launch][case]
     for rank, result in enumerate((main, other)):
         assert "error" not in result, result.get("traceback", result.get("error"))
         assert result["world"] == 2 and result["steps"] == 2 and result["policy_moved"] > 1e-3, (rank, result)
-        assert result["deepspeed_stage"] == (3 if launch == "zero3" else None), result
+        assert result["deepspeed_stage"] == (3 if launch.startswith("zero3") else None), result
+        # two machines: each process is its machine's first (two launchers); one machine: local ranks 0 and 1
+        assert result["local_rank"] == (0 if LAUNCHES[launch][2] == 2 else rank), (rank, result["local_rank"])
         if case in ONE_CALL:
             assert result["generate_calls"] == [[0, 8], [1, 8]], (rank, result["generate_calls"])
         if case == "remax":

@@ -12,17 +12,15 @@ sampling policy's log-probs (`record_ratios`). Under `accelerate launch` (OUT en
 OUT/rank{r}.json.
 """
 
-import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import vllm_colocate  # noqa: E402
 from vllm_colocate import CASES, case_trainer, moved, numeric_logs  # noqa: E402
-from vllm_server import full_parameters, server_settings  # noqa: E402
+from vllm_server import full_parameters, run_cases, server_settings  # noqa: E402
 
 from trl_ppo_variants.toy import use_offline_env  # noqa: E402
 
@@ -87,7 +85,9 @@ def run_case(name: str, base_url: str, model_dir: str) -> dict:
     start = time.perf_counter()
     trainer = case_trainer(case, model_dir, engine={**server_settings(base_url), "max_staleness": 1})
     result = {"case": name, "world": trainer.accelerator.num_processes, "build_seconds": time.perf_counter() - start,
-              "async": type(trainer._async).__name__}
+              "async": type(trainer._async).__name__,
+              "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
+              if trainer.is_deepspeed_enabled else None}
     records = []
     if name.startswith("ratio"):
         record_ratios(trainer, records)
@@ -112,21 +112,7 @@ def main(out: str, base_url: str, model_dir: str, *names: str) -> None:
     unknown = [n for n in names if n not in CASES and n not in EXTRA_CASES]
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}")
-    rank = int(os.environ.get("RANK", "0"))
-    out_path = os.path.join(out, f"rank{rank}.json") if out.endswith("/") else out
-    results = {}
-    for name in names:
-        start = time.perf_counter()
-        try:
-            results[name] = run_case(name, base_url, model_dir)
-        except Exception as e:  # the other cases still run and report
-            results[name] = {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-        results[name]["seconds"] = time.perf_counter() - start
-        print(f"rank {rank}:", json.dumps({k: v for k, v in results[name].items() if k not in ("logs", "traceback")}),
-              flush=True)
-        with open(out_path, "w") as f:
-            json.dump(results, f)
-
+    run_cases(out, names, lambda name: run_case(name, base_url, model_dir))
 
 if __name__ == "__main__":
     main(*sys.argv[1:])

@@ -72,15 +72,17 @@ def check_greedy_rows(trainer, client, records: list) -> None:
 
     def checked(greedy_prompts, padded, filler, images=None):
         ids = greedy(greedy_prompts, padded, filler, images)
+        # under ZeRO-3 a forward gathers parameters from every rank: every rank runs the same forwards (one a greedy
+        # row, an empty row scored on a filler token), the main process compares
+        scores = [policy_logps(trainer.model, list(p) + (list(c) or [0]), len(p)) for p, c in zip(greedy_prompts, ids)]
         if client is None:
             return ids
         again = client.generate([list(p) for p in greedy_prompts], n=1, temperature=0.0,
                                 max_tokens=MAX_COMPLETION)["completion_ids"]
         gap = 0.0
-        for p, c in zip(greedy_prompts, ids):
+        for c, logps in zip(ids, scores):
             if not c:
                 continue
-            logps = policy_logps(trainer.model, list(p) + list(c), len(p))
             chosen = logps.gather(-1, torch.tensor(c)[:, None])[:, 0]
             gap = max(gap, (logps.max(-1).values - chosen).max().item())
         records.append({"rows": len(ids), "equal_to_temperature_0": ids == [list(c) for c in again],
@@ -152,6 +154,7 @@ def run_case(name: str, base_url: str, model_dir: str, items: list) -> dict:
     generation = trainer.vllm_generation
     client = getattr(generation, "vllm_client", None)  # the main process's
     result = {"case": name, "generation": type(generation).__name__, "world": trainer.accelerator.num_processes,
+              "local_rank": trainer.accelerator.local_process_index,
               "has_client": client is not None, "build_seconds": time.perf_counter() - start,
               "deepspeed_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage
               if trainer.is_deepspeed_enabled else None,
@@ -200,22 +203,28 @@ def main(out: str, base_url: str, model_dir: str, *names: str) -> None:
     if unknown:
         raise SystemExit(f"unknown case(s) {unknown}: expected some of {list(VLM_CASES if vlm else CASES)}")
     items = None if vlm else text_items(AutoTokenizer.from_pretrained(model_dir))
+    run_cases(out, names, lambda name: run_vlm_case(name, base_url, model_dir) if vlm
+              else run_case(name, base_url, model_dir, items))
+
+
+def run_cases(out: str, names, run_one) -> None:
+    """Run `run_one(name)` for each case name, writing {name: result} to `out` (a folder ending in "/": its
+    rank<RANK>.json) after every case: a crash keeps what ran, and a failing case is reported with its traceback
+    while the others still run (several ranks: the test's timeout ends a hang)."""
     rank = int(os.environ.get("RANK", "0"))
     out_path = os.path.join(out, f"rank{rank}.json") if out.endswith("/") else out
     results = {}
     for name in names:
         start = time.perf_counter()
         try:
-            results[name] = (run_vlm_case(name, base_url, model_dir) if vlm
-                             else run_case(name, base_url, model_dir, items))
-        except Exception as e:  # the other cases still run and report (several ranks: the test's timeout ends a hang)
+            results[name] = run_one(name)
+        except Exception as e:
             results[name] = {"case": name, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         results[name]["seconds"] = time.perf_counter() - start
         print(f"rank {rank}:", json.dumps({k: v for k, v in results[name].items() if k not in ("logs", "traceback")}),
               flush=True)
-        with open(out_path, "w") as f:  # after every case: a crash keeps what ran
+        with open(out_path, "w") as f:
             json.dump(results, f)
-
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
