@@ -2,13 +2,14 @@
 forward + backward of SmolLM2-135M-Instruct in fresh processes that differ only in what vLLM did to them (a benchmark,
 not a test; load-robust counters, not only wall clock).
 
-    .venv-vllm/bin/python bench/colocate_counters.py [--modes plain,import,memenv,engine] [--rows 64] [--length 152]
-        [--iterations 3] [--out bench/results/colocate_counters.json]
+    .venv-vllm/bin/python bench/colocate_counters.py [--modes plain,import,memenv,engine,ballast] [--rows 64]
+        [--length 152] [--iterations 3] [--threads 2] [--out bench/results/colocate_counters.json]
 
 Modes, each in its own process, in this order of what vLLM does to the trainer's process: `plain` (nothing), `import`
 (`import vllm` and its CPU ops), `memenv` (`torch.ops._C.init_cpu_memory_env([0])` alone, the call vLLM's CPU worker
 makes: libnuma's bind policy), `engine` (a colocate engine built as TRL builds it: `vllm.LLM`, external launcher,
-`vllm_speed.ENGINE`'s memory share and model length).
+`vllm_speed.ENGINE`'s memory share and model length), `ballast` (no vLLM: a tensor of `--ballast-gb`, the engine's
+resident memory beyond the policy's, allocated and touched: what the engine's memory alone does).
 
 The workload: the policy's loss over a (rows, length) batch as TRL computes it (the full model's forward, log-softmax
 of the completion's logits gathered at the tokens, backward): at 64 x 152 the logits alone are 1.9 GB of float32, the
@@ -33,7 +34,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-MODES = ("plain", "import", "memenv", "engine")
+MODES = ("plain", "import", "memenv", "engine", "ballast")
+#: the engine's resident memory beyond a plain process's after the policy was loaded (VmRSS 3.70 GB against 0.45 GB in
+#: the first run of this benchmark, colocate_counters.json)
+BALLAST_GB = 3.25
+#: /proc/vmstat's reclaim and huge-page counters, read around each iteration (memory pressure shows there)
+VMSTAT = ("pgscan_kswapd", "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "compact_stall", "thp_fault_alloc",
+          "thp_fault_fallback")
 RUSAGE = ("ru_utime", "ru_stime", "ru_minflt", "ru_majflt", "ru_nvcsw", "ru_nivcsw")
 
 
@@ -97,10 +104,20 @@ def build_engine(model_dir: str):
                     logprobs_mode="processed_logprobs", seed=0)
 
 
-def prepare(mode: str, model_dir: str):
-    """Do to this process what `mode` names; returns what must stay alive (the engine)."""
+def vmstat() -> dict:
+    with open("/proc/vmstat") as f:
+        pairs = (line.split() for line in f)
+        return {k: int(v) for k, v in pairs if k in VMSTAT}
+
+
+def prepare(mode: str, model_dir: str, ballast_gb: float = BALLAST_GB):
+    """Do to this process what `mode` names; returns what must stay alive (the engine, the ballast)."""
     if mode == "plain":
         return None
+    if mode == "ballast":
+        import torch
+
+        return torch.ones(int(ballast_gb * 1e9) // 4)  # written: every page resident
     import vllm
     import vllm._custom_ops  # noqa: F401 - loads torch.ops._C
 
@@ -115,19 +132,21 @@ def prepare(mode: str, model_dir: str):
 
 
 def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iterations: int,
-            workload: str = "model") -> dict:
+            workload: str = "model", threads: int | None = None, ballast_gb: float = BALLAST_GB) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    keep = prepare(mode, model_dir)
+    keep = prepare(mode, model_dir, ballast_gb)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     ids = torch.randint(0, model.config.vocab_size, (rows, length))
     before = status()
     runs = []
     for _ in range(iterations):
-        start_usage, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        start_usage, start, start_vm = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), vmstat()
         if workload == "logits":  # the loss's tensors alone, at their size: (rows, length - prompt, vocabulary)
             logits = torch.randn(rows, length - prompt, model.config.vocab_size, requires_grad=True)
         else:
@@ -144,8 +163,9 @@ def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iter
         optimizer.zero_grad()
         del logits, logps
         wall, usage = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+        end_vm = vmstat()
         runs.append({"wall": wall, **{k[3:]: getattr(usage, k) - getattr(start_usage, k) for k in RUSAGE},
-                     "load_average": os.getloadavg()[0]})
+                     "load_average": os.getloadavg()[0], "vmstat": {k: end_vm[k] - start_vm[k] for k in end_vm}})
     idle = thread_activity(5.0)
     del keep
     return {"mode": mode, "workload": workload, "rows": rows, "length": length, "status_before": before,
@@ -154,13 +174,15 @@ def measure(mode: str, model_dir: str, rows: int, length: int, prompt: int, iter
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="plain,import,memenv,engine")
+    parser.add_argument("--modes", default="plain,import,memenv,engine,ballast")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--length", type=int, default=152)
     parser.add_argument("--prompt", type=int, default=24, help="prompt tokens (the loss is over the rest)")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--workload", choices=["model", "logits"], default="model",
                         help="the model's forward and backward, or the loss's log-softmax over random logits alone")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one a core)")
+    parser.add_argument("--ballast-gb", type=float, default=BALLAST_GB, help="the ballast mode's resident memory")
     parser.add_argument("--model-dir")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "colocate_counters.json"))
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -172,14 +194,17 @@ def main(argv=None) -> int:
     model_dir = opts.model_dir or smollm2_checkpoint()
     if opts.worker:
         print("RESULT " + json.dumps(measure(opts.worker, model_dir, opts.rows, opts.length, opts.prompt,
-                                             opts.iterations, opts.workload)), flush=True)
+                                             opts.iterations, opts.workload, opts.threads,
+                                             opts.ballast_gb)), flush=True)
         return 0
     results = []
     for mode in opts.modes.split(","):
         done = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", mode, "--model-dir", model_dir,
                                "--rows", str(opts.rows), "--length", str(opts.length), "--prompt", str(opts.prompt),
                                "--iterations", str(opts.iterations),
-                               "--workload", opts.workload], capture_output=True, text=True, check=False)
+                               "--workload", opts.workload, "--ballast-gb", str(opts.ballast_gb),
+                               *(["--threads", str(opts.threads)] if opts.threads else [])],
+                              capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
             print(f"{mode}: failed\n{done.stderr[-3000:]}", file=sys.stderr)
@@ -188,7 +213,34 @@ def main(argv=None) -> int:
         print(json.dumps(results[-1]), flush=True)
         with open(opts.out, "w") as f:
             json.dump(results, f, indent=1)
+    loads = [i["load_average"] for r in results for i in r["iterations"]] or [0.0]
+    text = summary_table(results)
+    with open(os.path.splitext(opts.out)[0] + ".md", "w") as f:
+        f.write(f"SmolLM2-135M-Instruct's forward + backward + AdamW step on a {opts.rows} x {opts.length} batch "
+                f"({opts.workload}), each mode in a fresh process; medians over {opts.iterations - 1} iterations after "
+                f"a warm-up one; 1-min load average {min(loads):.1f}-{max(loads):.1f}.\n\n{text}\n")
+    print(text)
     return 0
+
+
+def summary_table(results: list[dict]) -> str:
+    """Per mode, the medians over its iterations after the first (the first: warm-up)."""
+    import statistics
+
+    lines = ["| mode | torch threads | wall (s) | user CPU (s) | system CPU (s) | minor faults | kswapd + direct scans |"
+             " VmRSS before (GB) |", "|" + " --- |" * 8]
+    for r in results:
+        kept = r["iterations"][1:] or r["iterations"]
+
+        def med(key, runs=kept):
+            return statistics.median(i[key] for i in runs)
+
+        scans = statistics.median(i.get("vmstat", {}).get("pgscan_kswapd", 0) + i.get("vmstat", {}).get(
+            "pgscan_direct", 0) for i in kept)
+        rss = int(r["status_before"]["VmRSS"].split()[0]) / 1e6
+        lines.append(f"| {r['mode']} | {r['status_before']['torch_threads']} | {med('wall'):.1f} | {med('utime'):.1f} "
+                     f"| {med('stime'):.1f} | {med('minflt'):.0f} | {scans:.0f} | {rss:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ one-step step reward; VAPO's value pre-training shortened to the 1 warm-up step,
 algorithms by name and "trl" (`trl.GRPOTrainer`, its colocate engine built with this package's CPU fixes:
 `vllm_cpu.colocate_engine`; without them TRL's first sync fails). Sizes: "demo" (`make demo`'s step: 16
 completions of at most 24 tokens) and "large" (64 completions of at most 128 tokens, where generation dominates).
-Reported per trainer: the HF and the vLLM step, vLLM / HF, and each step's split. `--merge` keeps the runs of the
+Reported per trainer: the HF and the vLLM step, vLLM / HF, and each step's split. `--backends` adds a
+`trl-ppo-variants vllm-serve` process on this machine (`server`, `server_pinned`: `BACKENDS`), synchronous or with
+generation overlapped with training (`server_async`, `server_pinned_async`: `max_staleness=1`, reported also against
+the fastest synchronous backend of the same trainer). `--merge` keeps the runs of the
 existing results that are not run again (a size or trainers measured separately).
 
 Each step is split by timing the trainer's own calls (wall clock, the first step of each run dropped as warm-up):
@@ -60,9 +63,14 @@ ENGINE = {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.15, "vllm_ma
 #: `trl-ppo-variants vllm-serve` process on the same machine, either both processes free to use both cores (their
 #: default threads) or the server on core 1 and the trainer on core 0 (`taskset`), one OpenMP thread each
 BACKENDS = {"hf": "HF generate", "vllm": "colocate", "server": "server, unpinned",
-            "server_pinned": "server on core 1, trainer on core 0"}
+            "server_pinned": "server on core 1, trainer on core 0",
+            "server_async": "server, unpinned, max_staleness=1",
+            "server_pinned_async": "server on core 1, trainer on core 0, max_staleness=1"}
 #: the taskset cores of (server, trainer) per server backend, None: unpinned
-PINNING = {"server": None, "server_pinned": ("1", "0")}
+PINNING = {"server": None, "server_pinned": ("1", "0"), "server_async": None, "server_pinned_async": ("1", "0")}
+#: the server backends that overlap generation with training (`max_staleness=1`, `async_rollout.py`): the next step's
+#: batch is generated while this one trains, so "generation" is the time the step waited for it
+ASYNC = {"server_async", "server_pinned_async"}
 SERVER_START_TIMEOUT = 900
 
 
@@ -170,9 +178,11 @@ ALGORITHM = {"grpo_is_off": "grpo"}
 OVERRIDES = {"vapo": {"value_pretrain_steps": 1}, "grpo_is_off": {"vllm_importance_sampling_correction": False}}
 
 
-def trainer_settings(which: str, size: str, steps: int, use_vllm: bool, server_url: str | None = None) -> dict:
+def trainer_settings(which: str, size: str, steps: int, use_vllm: bool, server_url: str | None = None,
+                     max_staleness: int = 0) -> dict:
     """Config fields of `which` at `size`: the demo's (`demo.COMMON` + `demo.ALGO_SETTINGS`), the size's batch and
-    length, `steps` steps in all and the engine's settings (the server's at `server_url` where given)."""
+    length, `steps` steps in all and the engine's settings (the server's at `server_url` where given, generating
+    `max_staleness` steps ahead)."""
     from trl_ppo_variants import demo
 
     algo = demo.REFERENCE if which == "trl" else ALGORITHM.get(which, which)
@@ -181,10 +191,12 @@ def trainer_settings(which: str, size: str, steps: int, use_vllm: bool, server_u
         settings.pop("num_generations", None)
     return {**settings, "output_dir": tempfile.mkdtemp(prefix="vllm_speed_"), "max_steps": steps, "seed": 0,
             "use_vllm": use_vllm, **(({"vllm_mode": "server", "vllm_server_base_url": server_url} if server_url else
-                                      ENGINE) if use_vllm else {})}
+                                      ENGINE) if use_vllm else {}),
+            **({"max_staleness": max_staleness} if max_staleness else {})}
 
 
-def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str, server_url: str | None = None):
+def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str, server_url: str | None = None,
+          max_staleness: int = 0):
     """Trainer `which` (a name of `TRAINERS`) on SmolLM2's word problems at `size`, with the demo's settings and
     rewards (TTRL: its majority vote alone; process GRPO: the task reward as a one-step step reward)."""
     import trl
@@ -196,7 +208,10 @@ def build(which: str, use_vllm: bool, size: str, steps: int, model_dir: str, ser
 
     config_cls, trainer_cls = (trl.GRPOConfig, trl.GRPOTrainer) if which == "trl" else \
         load_algorithm(ALGORITHM.get(which, which))
-    args = config_cls(**trainer_settings(which, size, steps, use_vllm, server_url))
+    settings = trainer_settings(which, size, steps, use_vllm, server_url, max_staleness)
+    if which == "trl" and max_staleness:
+        raise ValueError("max_staleness: trl.GRPOTrainer has no overlapped generation (this package's trainers do)")
+    args = config_cls(**settings)
     rows = args.per_device_train_batch_size * args.gradient_accumulation_steps
     dataset = word_problem_dataset(max(64, 2 * steps * rows), seed=0)
     rewards, extra = algorithm_rewards(which, word_problem_reward)
@@ -245,7 +260,7 @@ def worker(backend: str, jobs: list[tuple[str, str]], steps: int, out: str, prof
         load_before = os.getloadavg()[0]
         start = time.perf_counter()
         try:
-            trainer = build(which, backend != "hf", size, steps, model_dir, server_url)
+            trainer = build(which, backend != "hf", size, steps, model_dir, server_url, int(backend in ASYNC))
             built = time.perf_counter() - start
             per_step = []
             instrument(trainer, per_step)
@@ -313,6 +328,29 @@ def ratio_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def async_rows(results: list[dict]) -> list[dict]:
+    """Per (size, trainer) run with an overlapped backend (`ASYNC`): its step against the fastest synchronous step of
+    the same trainer in the same run (HF, colocate, server pinned or not), as a ratio."""
+    runs = {(r["size"], r["trainer"], r["backend"]): summarise(r)["step"] for r in results}
+    rows = []
+    for (size, which, backend), step in runs.items():
+        synchronous = {b: s for (z, w, b), s in runs.items() if z == size and w == which and b not in ASYNC}
+        if backend not in ASYNC or not synchronous:
+            continue
+        best = min(synchronous, key=synchronous.get)
+        rows.append({"size": size, "trainer": which, "backend": backend, "step": step, "best_sync": best,
+                     "best_sync_step": synchronous[best], "ratio": step / synchronous[best]})
+    return rows
+
+
+def async_table(rows: list[dict]) -> str:
+    lines = ["| size | trainer | overlapped backend | step (s) | fastest synchronous backend | its step (s) | "
+             "overlapped / fastest synchronous |", "|" + " --- |" * 7]
+    lines += [f"| {r['size']} | {r['trainer']} | {BACKENDS[r['backend']]} | {r['step']:.1f} | "
+              f"{BACKENDS[r['best_sync']]} | {r['best_sync_step']:.1f} | {r['ratio']:.2f} |" for r in rows]
+    return "\n".join(lines)
+
+
 def parse_trainers(spec: str) -> list[str]:
     """`--trainers`: comma-separated names of `TRAINERS` (or "all"); ValueError (one line) otherwise."""
     names = list(TRAINERS) if spec == "all" else [ALIASES.get(n.strip(), n.strip()) for n in spec.split(",")]
@@ -338,6 +376,11 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
                                                  list(BACKENDS).index(r["backend"])))
     rows = ratios(runs)
     text = f"{ratio_table(rows)}\n\nThe split of each step:\n\n{table(runs)}"
+    overlapped = async_rows(runs)
+    if overlapped:
+        text += ("\n\nGeneration overlapped with training (`max_staleness=1`; its \"generation\" above is the time the "
+                 "step waited for its batch) against the fastest synchronous backend of the same trainer:\n\n"
+                 + async_table(overlapped))
     failed = [f for f in existing.get("failures", []) if merge and (f["size"], f["trainer"], f["backend"]) not in again]
     failed += failures
     for size in sorted({r["size"] for r in runs}, key=order.get):
@@ -349,7 +392,8 @@ def write(results: list[dict], failures: list[dict], out_dir: str, merge: bool, 
         text += "\n\nFailed:\n\n" + "\n".join(f"- {f['size']} {f['trainer']} {f['backend']}: {f['error']}" for f in failed)
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
-        json.dump({**existing, "meta": meta, "runs": runs, "ratios": rows, "failures": failed}, f, indent=1)
+        json.dump({**existing, "meta": meta, "runs": runs, "ratios": rows, "async": overlapped, "failures": failed}, f,
+                  indent=1)
     loads = [x for r in runs for x in r.get("load_average", [])]
     load = f"1-min load average {min(loads):.1f}-{max(loads):.1f} during the runs; " if loads else ""
     title = ("vLLM colocate on CPU vs HF generate" if {r["backend"] for r in runs} <= {"hf", "vllm"} else
@@ -413,9 +457,11 @@ def main(argv=None) -> int:
                 continue
             prefix = ["taskset", "-c", cores[1]] if cores else []
             env = {**os.environ, "OMP_NUM_THREADS": "1"} if cores else None
+        # trl.GRPOTrainer has no overlapped generation: it has no row under the async backends
+        backend_jobs = [(size, which) for size, which in jobs if not (backend in ASYNC and which == "trl")]
         try:
             subprocess.run([*prefix, sys.executable, os.path.abspath(__file__), "--worker", backend, "--worker-jobs",
-                            ",".join(f"{size}:{which}" for size, which in jobs), "--steps", str(opts.steps),
+                            ",".join(f"{size}:{which}" for size, which in backend_jobs), "--steps", str(opts.steps),
                             "--worker-out", out, *(["--profile-sync"] if opts.profile_sync else []),
                             *(["--model-dir", opts.model_dir] if opts.model_dir else []),
                             *(["--server-url", url] if server else [])], check=False, env=env)
