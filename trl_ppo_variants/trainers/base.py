@@ -356,8 +356,8 @@ class VariantConfig(GRPOConfig):
             refused = self.prompt_selection_refused()
             check(refused is None, "prompt_selection", f"'none' for {type(self).__name__} ({refused})",
                   self.prompt_selection)
-        check(isinstance(self.max_staleness, int) and not isinstance(self.max_staleness, bool)
-              and self.max_staleness >= 0, "max_staleness", "an integer >= 0", self.max_staleness)
+        # an integer already (`check_numeric_fields`)
+        check(self.max_staleness >= 0, "max_staleness", "an integer >= 0", self.max_staleness)
         if self.max_staleness:
             check(self.use_vllm and self.vllm_mode == "server", "max_staleness",
                   "0 unless use_vllm=True and vllm_mode='server' (the overlapped generation runs on the vLLM server)",
@@ -387,9 +387,9 @@ class VariantConfig(GRPOConfig):
               f"one of {IMPORTANCE_SAMPLING_LEVELS}", self.importance_sampling_level)
         check(self.vllm_importance_sampling_mode in VLLM_IMPORTANCE_SAMPLING_MODES, "vllm_importance_sampling_mode",
               f"one of {VLLM_IMPORTANCE_SAMPLING_MODES}", self.vllm_importance_sampling_mode)
-        quantile = self.top_entropy_quantile
-        check(isinstance(quantile, (int, float)) and not isinstance(quantile, bool) and 0.0 <= quantile <= 1.0,
-              "top_entropy_quantile", "a number in [0, 1]", quantile)
+        # a number already (`check_numeric_fields`)
+        check(0.0 <= self.top_entropy_quantile <= 1.0, "top_entropy_quantile", "a number in [0, 1]",
+              self.top_entropy_quantile)
 
     def _check_dual_clip(self):
         if self.clip_ratio_c is None:
@@ -496,11 +496,13 @@ class VariantTrainer(GRPOTrainer):
         #: given none (`generation.computes_own_positions`)
         self.own_positions = generation.computes_own_positions(self.model)
         guards.check_model_limits(self)
-        #: the overlapped generation (`max_staleness >= 1`), None for synchronous generation
-        self._async = async_rollout.AsyncRollout(self) if getattr(self.args, "max_staleness", 0) else None
+        if getattr(self.args, "max_staleness", 0):
+            self._async = async_rollout.AsyncRollout(self)
 
     #: the config class this trainer takes (a subclass sets its own)
     config_class = VariantConfig
+    #: the overlapped generation (`max_staleness >= 1`, set at the end of `__init__`), None for synchronous generation
+    _async: async_rollout.AsyncRollout | None = None
 
     @classmethod
     def resolve_args(cls, args):
@@ -600,7 +602,7 @@ class VariantTrainer(GRPOTrainer):
 
     # -------------------------------------------------------------------------------------------- checkpoints
     def _save_checkpoint(self, model, trial):
-        if getattr(self, "_async", None) is not None:  # what a resumed run cannot regenerate is not trained on
+        if self._async is not None:  # what a resumed run cannot regenerate is not trained on
             self._async.drop()
         # atomic (completion marker) and complete (generation buffer, `_step`, extra state): see checkpointing.py
         checkpointing.save_checkpoint(self, model, trial, super()._save_checkpoint)
@@ -639,12 +641,12 @@ class VariantTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # True must skip a checkpoint left half-written by a killed run (transformers picks the highest number)
         resume_from_checkpoint = checkpointing.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        if getattr(self, "_async", None) is not None:
+        if self._async is not None:
             self._async.start()
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
-            if getattr(self, "_async", None) is not None:
+            if self._async is not None:
                 self._async.drop()
         tally = self.scoring_tally
         if (self.args.max_unscorable_batches is not None and tally["batches"]
@@ -798,13 +800,13 @@ class VariantTrainer(GRPOTrainer):
         return [(prompt_ids, num_generations, {})]
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        if getattr(self, "_async", None) is None:
+        if self._async is None:
             return super().get_batch_samples(epoch_iterator, num_batches, device)
         batch_samples = self._async.batch_samples(epoch_iterator, num_batches)
         return batch_samples, self._get_num_items_in_batch(batch_samples, device)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if getattr(self, "_async", None) is None:
+        if self._async is None:
             return self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         self._async.before_generation()
         result = self._generate_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
@@ -888,7 +890,7 @@ class VariantTrainer(GRPOTrainer):
         advantages."""
         output = super()._generate_and_score_completions(inputs)
         self.track_scorable(self._captured_rewards_per_func, self.num_generations, prompts)
-        if getattr(self, "_async", None) is not None and "importance_sampling_ratio" in output:
+        if self._async is not None and "importance_sampling_ratio" in output:
             counts = async_rollout.corrected_share(output["old_per_token_logps"], output["sampling_per_token_logps"],
                                                    output["importance_sampling_ratio"], rollout.loss_mask(output))
             counts = self.accelerator.reduce(torch.stack(counts), reduction="sum")
