@@ -181,10 +181,8 @@ class ReMaxTrainer(VariantTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         self._greedy_turn_pending = False
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
         num_local = len(prompt_ids)
-        rows = owned_group_rows(rank, num_local, num_generations)
-        padded = max(len(owned_group_rows(r, num_local, num_generations)) for r in range(world))
+        rows, padded = self._greedy_rows(num_local, num_generations)
         greedy_prompts = [prompt_ids[i] for i in rows]
 
         if self.use_vllm:
@@ -218,12 +216,21 @@ class ReMaxTrainer(VariantTrainer):
                         "completion_ids": greedy_ids}
         return completion_ids, logprobs
 
+    def _greedy_rows(self, num_local: int, num_generations: int) -> tuple[list[int], int]:
+        """(this process's greedy rows: the first local row of each group it owns, the most greedy rows any process
+        has: every process's greedy request is padded to it)."""
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        rows = owned_group_rows(rank, num_local, num_generations)
+        return rows, max(len(owned_group_rows(r, num_local, num_generations)) for r in range(world))
+
+    def _greedy_request_prompts(self, greedy_prompts: list, padded: int, filler) -> list:
+        """The engine's prompts of the greedy request: the greedy rows' prompts, padded to `padded` with `filler`."""
+        return self.engine_prompt_ids(list(greedy_prompts) + [filler] * (padded - len(greedy_prompts)))
+
     def async_requests(self, prompt_ids, num_generations):
         # the greedy rows' request is queued right after the sampled rows': both with one policy version
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        rows = owned_group_rows(rank, len(prompt_ids), num_generations)
-        padded = max(len(owned_group_rows(r, len(prompt_ids), num_generations)) for r in range(world))
-        greedy = self.engine_prompt_ids([prompt_ids[i] for i in rows] + [prompt_ids[0]] * (padded - len(rows)))
+        rows, padded = self._greedy_rows(len(prompt_ids), num_generations)
+        greedy = self._greedy_request_prompts([prompt_ids[i] for i in rows], padded, prompt_ids[0])
         return [*super().async_requests(prompt_ids, num_generations), (greedy, 1, {"temperature": 0.0})]
 
     def generation_logits_processors(self):
@@ -235,7 +242,7 @@ class ReMaxTrainer(VariantTrainer):
     def _vllm_greedy(self, greedy_prompts, padded, filler, images=None):
         """One temperature-0 request for the greedy rows, padded to the same count on every rank (TRL slices the
         server's answer by equal per-rank counts). `images`: the `padded` rows' image lists, or None."""
-        prompts = self.engine_prompt_ids(list(greedy_prompts) + [filler] * (padded - len(greedy_prompts)))
+        prompts = self._greedy_request_prompts(greedy_prompts, padded, filler)
         generation = self.vllm_generation
         temperature = generation.temperature
         generation.temperature = 0.0  # vLLM's greedy decoding
