@@ -16,12 +16,12 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from launcher import free_port
 
 from trl_ppo_variants import vllm_cpu
 from trl_ppo_variants.trainers.rloo import RLOOConfig
@@ -121,9 +121,7 @@ def colocate_run(model: str, *cases: str):
     """The command of a `vllm_colocate.py` run of `cases` on `model`, with a port of its own for the engine's process
     group (TRL takes 29500 when it looks free: two runs started together both took it)."""
     def command(directory):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         argv = [sys.executable, SCRIPT, os.path.join(directory, "result.json"), model, *cases]
         return argv, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return command

@@ -14,14 +14,13 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from launcher import accelerate_launch
+from launcher import accelerate_launch, free_port
 from test_vllm import _case, _logged, assert_selection_rounds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,12 +53,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                        reason="vLLM's CPU build is not installed here (`make test-vllm` runs these tests)"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def subprocess_env(**extra) -> dict:
