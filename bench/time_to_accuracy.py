@@ -10,6 +10,8 @@ in 20 steps, with the held-out evaluation kept off the clock, on one seed or on 
     python bench/time_to_accuracy.py --num-generations 16  # groups of 16 (SPEED screens 4 of them)
     python bench/time_to_accuracy.py --methods grpo,grpo_speed --grpo-steps 2 --eval-points 1 --eval-prompts 4 \
         --eval-samples 1                                   # a short check (a few minutes)
+    .venv-vllm/bin/python bench/time_to_accuracy.py --seeds 0,1 --methods grpo_async,dapo,dapo_async --clock wall \
+        --threads 2 --eval-points 2 --eval-prompts 640 --eval-samples 1 --out DIR  # overlapped generation (issue 42)
 
 Protocol (SmolLM2-135M-Instruct on the demo's word problems, the demo's settings: 16 completions a step in groups of
 G = 4, 24 new tokens, temperature 0.7, lr 3e-5 constant, no KL, fp32 on the CPU; held-out accuracy:
@@ -48,6 +50,16 @@ the per-seed table, the means with bootstrap intervals over seeds), `time_to_acc
 band, and each seed's curves). `--variant NAME=BASE:field=value,...` defines a method from another with some settings
 changed (`dapo_nopen=dapo:overlong_penalty=False`).
 
+Generation on a vLLM server (`grpo_server`, `dapo_server`; overlapped with training: `grpo_async`, `dapo_async`,
+`max_staleness=1`): the script starts one `trl-ppo-variants vllm-serve` of the model (unpinned; `--server-url` names
+another instead) and the runs use it one after the other, each syncing its policy before its first generation; run it
+with vLLM's environment (`.venv-vllm`). Before an evaluation an overlapped run waits for its queued batch on the clock,
+so that the evaluation, off the clock, gives the overlap no generation time. DAPO's server rows generate a first round
+of the dataloader's batch (`max_oversample_factor=1`), the one an overlapped run can queue a step ahead. The wall
+clock (`--clock wall`, a quiet machine) is the one that sees the overlap: the CPU clocks count the trainer's process
+only. The report adds the area under each accuracy-over-time curve over the budget (`curve_auc`: the mean accuracy
+over the budget) beside the crossing time; 640 questions x 1 sample hold an evaluation's standard error to <= 0.02.
+
 One seed (no `--seeds`): the methods run one after the other in this process, the old single-seed command; it writes
 `time_to_accuracy.json`, `.md` and `.png` to `--out` (default `bench/results/smollm2/`).
 """
@@ -56,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import glob
 import itertools
 import json
@@ -97,6 +110,9 @@ class Method:
     settings: dict = field(default_factory=dict)
 
 
+#: the settings of a method that generates on the `vllm-serve` process the benchmark starts (`--server-url`)
+SERVER = {"use_vllm": True, "vllm_mode": "server"}
+
 METHODS = {m.name: m for m in [
     Method("grpo", "trl.GRPOTrainer", "trl"),
     Method("grpo_speed", "GRPO + screening (SPEED)", "grpo_ours", {"prompt_selection": "speed"}),
@@ -110,8 +126,42 @@ METHODS = {m.name: m for m in [
     Method("grpo_greso", "GRPO + GRESO", "grpo_ours", {"prompt_selection": "greso"}),
     Method("grpo_speed_greso", "GRPO + SPEED + GRESO", "grpo_ours", {"prompt_selection": "speed+greso"}),
     Method("grpo_ds", "GRPO + dynamic sampling", "grpo_ours", {"prompt_selection": "dynamic_sampling"}),
+    # generation on a vLLM server, synchronous or overlapped with training (issue 42). DAPO's first round is the
+    # dataloader's batch (`max_oversample_factor=1`): a larger one is not known a step ahead, so it is not prefetched
+    Method("grpo_server", "GRPO, server", "grpo_ours", dict(SERVER)),
+    Method("grpo_async", "GRPO, server, max_staleness=1", "grpo_ours", {**SERVER, "max_staleness": 1}),
+    Method("dapo_server", "DAPO, server, first round = batch", "dapo", {**SERVER, "max_oversample_factor": 1.0}),
+    Method("dapo_async", "DAPO, server, max_staleness=1, first round = batch", "dapo",
+           {**SERVER, "max_staleness": 1, "max_oversample_factor": 1.0}),
 ]}
 DEFAULT_METHODS = ("grpo", "grpo_speed", "dapo", "dapo_speed", "rloo", "rloo_speed", "reinforce_pp", "ppo")
+
+
+def uses_server(method: Method) -> bool:
+    """Whether `method` generates on the benchmark's vLLM server."""
+    return method.settings.get("vllm_mode") == "server"
+
+
+@contextlib.contextmanager
+def benchmark_server(methods: list[Method], opts, log_path: str):
+    """The vLLM server of the methods that generate on one (`uses_server`): `trl-ppo-variants vllm-serve` of the
+    model, unpinned, started here when `opts.server_url` names none, its URL in `opts.server_url` until it stops.
+    One server serves the runs one after the other: each run syncs its policy before its first generation."""
+    if opts.server_url or not any(uses_server(m) for m in methods):
+        yield opts.server_url
+        return
+    sys.path.insert(0, HERE)
+    from vllm_speed import start_server, stop_server
+
+    from trl_ppo_variants.smollm2 import smollm2_checkpoint
+
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    proc, opts.server_url = start_server(smollm2_checkpoint(), None, log_path)
+    try:
+        yield opts.server_url
+    finally:
+        stop_server(proc)
+        opts.server_url = None
 
 
 def trainer_classes(method: Method):
@@ -223,14 +273,18 @@ def smollm2_task(seed: int, eval_prompts: int, eval_samples: int, train_size: in
                 f"SmolLM2-135M-Instruct, word problems, {eval_prompts} held-out questions x {eval_samples} samples")
 
 
+#: rows `sampled_correct` decodes together by default (its questions x samples)
+ROWS_PER_BATCH = 128
+
+
 def sampled_correct(model, tokenizer, prompts, answers, *, samples: int, temperature: float, max_new_tokens: int,
-                    seed: int, reward, questions_per_batch: int = 32, do_sample: bool = True) -> list[int]:
+                    seed: int, reward, questions_per_batch: int | None = None, do_sample: bool = True) -> list[int]:
     """The number of correct completions of each prompt among `samples` sampled ones: the measure of
     `trl_ppo_variants.smollm2.heldout_accuracy` (plain sampling at `temperature`, seeded, the global RNG left as it
     was, the model in eval mode), at about 0.6x its cost. Each prompt is run through the model once and its KV cache
     repeated for its samples (`heldout_accuracy` runs it once per sample: on SmolLM2 a 50-token prompt costs as much
     as 20 generated tokens), and `questions_per_batch * samples` rows are decoded together (6.4 ms a row-token at 128
-    rows against 8.3 at 64, one CPU thread). `reward(completions, answer=...)` scores them (None counts as wrong).
+    rows against 8.3 at 64, one CPU thread; default: 128 rows, `128 // samples` questions). `reward(completions, answer=...)` scores them (None counts as wrong).
 
     prompts: chat conversations (rendered with the chat template and the generation prompt) or strings; answers: one
     per prompt. Returns one int in [0, samples] per prompt."""
@@ -242,6 +296,7 @@ def sampled_correct(model, tokenizer, prompts, answers, *, samples: int, tempera
              tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
+    questions_per_batch = questions_per_batch or max(1, ROWS_PER_BATCH // samples)
     correct: list[int] = []
     was_training = model.training
     model.eval()
@@ -256,13 +311,17 @@ def sampled_correct(model, tokenizer, prompts, answers, *, samples: int, tempera
                 # the prompt but its last token into the cache (generate runs the last one, then samples), with the
                 # positions generate gives a left-padded row
                 positions = (mask[:, :-1].cumsum(-1) - 1).clamp(min=0)
-                cache = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
-                              use_cache=True, logits_to_keep=1).cache
+                prefill = model(input_ids=ids[:, :-1], attention_mask=mask[:, :-1], position_ids=positions,
+                                use_cache=True, logits_to_keep=1)
+                # transformers >= 5.18 names the cache `cache`; vLLM's environment pins an older one
+                renamed = hasattr(prefill, "cache")
+                cache = prefill.cache if renamed else prefill.past_key_values
                 cache.batch_repeat_interleave(samples)
                 sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if do_sample else \
                     dict(do_sample=False)
                 out = model.generate(input_ids=ids.repeat_interleave(samples, 0),
-                                     attention_mask=mask.repeat_interleave(samples, 0), cache=cache,
+                                     attention_mask=mask.repeat_interleave(samples, 0),
+                                     **{"cache" if renamed else "past_key_values": cache},
                                      max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
                 completions = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
                 refs = [a for a in answers[start:start + questions_per_batch] for _ in range(samples)]
@@ -467,10 +526,12 @@ def jsonable_args(args) -> dict:
 
 
 def run_method(method: Method, task: Task, *, steps: int, seed: int, output_dir: str, budget_s: float | None,
-               eval_points: int, before: float, clock: str = "work", progress=print) -> dict:
+               eval_points: int, before: float, clock: str = "work", progress=print,
+               server_url: str | None = None) -> dict:
     """Train `method`: the reference for `steps` steps (step grid), the others until `budget_s` of training time on
     `clock` (time grid). Returns its row: `curve` [(time, accuracy)] on `clock`, `curve_work`/`curve_cpu`/`curve_wall`,
-    the evaluations, every step's log (`steps_log`, with the probe), tokens, steps, time."""
+    the evaluations, every step's log (`steps_log`, with the probe), tokens, steps, time. A method that generates on
+    the server (`uses_server`) does so on the one at `server_url`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
 
@@ -480,6 +541,11 @@ def run_method(method: Method, task: Task, *, steps: int, seed: int, output_dir:
     config_cls, trainer_cls = trainer_classes(method)
     settings = {**task.common, **method.settings}
     settings.update(output_dir=os.path.join(output_dir, method.name), max_steps=steps, seed=seed, logging_steps=1)
+    if uses_server(method):
+        if not server_url:
+            raise ValueError(f"method {method.name}: generates on a vLLM server; expected --server-url or --seeds "
+                             "(which starts one)")
+        settings["vllm_server_base_url"] = server_url
     args = config_cls(**settings)
     tokenizer = AutoTokenizer.from_pretrained(task.model_dir)
     model = AutoModelForCausalLM.from_pretrained(task.model_dir, dtype=torch.float32)
@@ -518,6 +584,10 @@ def run_method(method: Method, task: Task, *, steps: int, seed: int, output_dir:
                 due = count > state_["done"] or stop or step >= steps
                 state_["done"] = max(state_["done"], count)
             if due:
+                rollout = getattr(trainer, "_async", None)
+                if rollout is not None:
+                    # on the clock: the evaluation must not give the overlapped generation time it would not have
+                    rollout.wait_idle()
                 cost = {name: TIMERS[name]() for name in TIMED}
                 with clocks["cpu"].evaluating(), clocks["wall"].evaluating():
                     result = as_evaluation(task.evaluate(model, tokenizer))
@@ -649,7 +719,8 @@ def method_steps(grpo_steps: int, max_steps_factor: float, reference: bool) -> i
 
 
 def run_benchmark(task: Task, methods: list[Method], *, grpo_steps: int, eval_points: int, seed: int, out: str,
-                  max_steps_factor: float = 3.0, clock: str = "work", progress=print) -> dict:
+                  max_steps_factor: float = 3.0, clock: str = "work", progress=print,
+                  server_url: str | None = None) -> dict:
     """The whole protocol on one seed in this process (module docstring); writes the JSON, the table and the plot
     to `out`, returns the JSON."""
     import tempfile
@@ -664,7 +735,8 @@ def run_benchmark(task: Task, methods: list[Method], *, grpo_steps: int, eval_po
         steps = method_steps(grpo_steps, max_steps_factor, budget is None)
         try:
             row = run_method(method, task, steps=steps, seed=seed, output_dir=work, budget_s=budget,
-                             eval_points=eval_points, before=before, clock=clock, progress=progress)
+                             eval_points=eval_points, before=before, clock=clock, progress=progress,
+                             server_url=server_url)
         except Exception as e:  # one broken method must not hide the others
             if budget is None:
                 raise
@@ -754,12 +826,23 @@ def curve_at(curve: list[tuple[float, float]], budget: float, xs: list[float]) -
     return out
 
 
+def curve_auc(curve: list[tuple[float, float]], budget: float) -> float:
+    """The area under a held-out curve from 0 to `budget`, over `budget`: its mean accuracy over the budget, read as
+    `curve_at` reads it (linear between evaluations, held after the last). Exact: the trapezoids between the
+    evaluations' clocks (issue 42's summary beside the crossing time: a run that learns early and one that crosses
+    the target just in time differ here, not in their crossing)."""
+    xs = sorted({0.0, 1.0, *(t / budget for t, _ in curve if 0.0 < t / budget < 1.0)})
+    ys = curve_at(curve, budget, xs)
+    return sum((x1 - x0) * (y0 + y1) / 2 for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]))
+
+
 def seed_metrics(ref: dict, row: dict) -> dict:
     """One run's numbers against its seed's reference `ref`: the target (the reference's last accuracy), the budget
     (its training time), the time to reach the target (seconds and x budget; inf when never), the accuracy at the
     budget (the last evaluation) and its difference to the target, the peak (its accuracy, when in x budget) and the
     final accuracy; the stopping clock in x budget (`stop_ratio`: a lower bound of the time ratio of a run that did
-    not reach the target)."""
+    not reach the target); the area under the curve over the budget (`auc`, `curve_auc`) and its difference to the
+    reference's."""
     target, budget = ref["curve"][-1][1], ref["train_seconds"]
     reach = time_to_reach(row["curve"], target)
     last, ref_last = final_evaluation(row), final_evaluation(ref)
@@ -776,7 +859,8 @@ def seed_metrics(ref: dict, row: dict) -> dict:
             "sec_per_step": row["train_seconds"] / max(row["steps"], 1),
             "cpu_per_step": row.get("train_seconds_cpu", math.nan) / max(row["steps"], 1),
             "gen_per_trained_token": row.get("gen_per_trained_token", math.nan),
-            "se_at_budget": se, "diff_se": diff_se}
+            "se_at_budget": se, "diff_se": diff_se, "auc": curve_auc(row["curve"], budget),
+            "diff_auc": curve_auc(row["curve"], budget) - curve_auc(ref["curve"], budget)}
 
 
 def noise_of_mean(ses: list[float]) -> float:
@@ -798,7 +882,9 @@ def method_summary(per_seed: list[dict], level: float = LEVEL) -> dict:
            "time_ratio_median_ci": bootstrap_ci(ratios, statistics.median, level),
            "time_ratio_mean": _mean(censored), "time_ratio_mean_ci": bootstrap_ci(censored, level=level),
            "time_ratio_mean_is_lower_bound": any(not math.isfinite(r) for r in ratios)}
-    for key in ("acc_at_budget", "diff_at_budget", "peak", "final", "drop_from_peak", "target"):
+    for key in ("acc_at_budget", "diff_at_budget", "peak", "final", "drop_from_peak", "target", "auc", "diff_auc"):
+        if any(key not in m for m in per_seed):  # an older run's metrics
+            continue
         values = [m[key] for m in per_seed]
         out[key] = _mean(values)
         out[key + "_ci"] = bootstrap_ci(values, level=level)
@@ -813,6 +899,16 @@ def goal_met(summary: dict, min_seeds: int = 4, ratio: float = 0.5) -> bool:
     """Issue 35's goal: the target reached in at most `ratio` x the budget on at least `min_seeds` seeds, and the
     mean accuracy at the budget at least the reference's (mean paired difference >= 0)."""
     return summary["reached_by_half"] >= min_seeds and summary["diff_at_budget"] >= -1e-12
+
+
+def goal_verdict(summary: dict, seeds: int = 5, min_seeds: int = 4) -> str:
+    """The goal column: `goal_met` over `seeds` seeds ("MET" / "missed"); with fewer seeds run, "missed" once the
+    seeds left cannot make `min_seeds`, else "undecided (n of 5 seeds)"."""
+    if summary["seeds"] >= seeds:
+        return "MET" if goal_met(summary, min_seeds) else "missed"
+    if summary["reached_by_half"] + seeds - summary["seeds"] < min_seeds:
+        return "missed"
+    return f"undecided ({summary['seeds']} of {seeds} seeds)"
 
 
 # ------------------------------------------------------------------------------------------------ several seeds
@@ -849,7 +945,7 @@ def run_job(method: Method, seed: int, opts, progress=print) -> dict:
              + ("" if reference else f", budget {budget:.0f} {CLOCK_UNITS[opts.clock]} ({opts.clock})"))
     row = run_method(method, task, steps=method_steps(opts.grpo_steps, opts.max_steps_factor, reference), seed=seed,
                      output_dir=tempfile.mkdtemp(prefix="tta-"), budget_s=budget, eval_points=opts.eval_points,
-                     before=before["acc"], clock=opts.clock, progress=progress)
+                     before=before["acc"], clock=opts.clock, progress=progress, server_url=opts.server_url)
     row.update(seed=seed, before=before, protocol=protocol(opts), task=task.describe,
                common={k: v for k, v in task.common.items() if isinstance(v, (int, float, str))},
                machine=machine())
@@ -868,6 +964,8 @@ def job_command(opts, seed: int, method: str) -> list[str]:
            "--max-steps-factor", str(opts.max_steps_factor), "--clock", opts.clock, "--threads", str(opts.threads)]
     if opts.num_generations is not None:
         cmd += ["--num-generations", str(opts.num_generations)]
+    if opts.server_url:
+        cmd += ["--server-url", opts.server_url]
     for spec in opts.variant:
         cmd += ["--variant", spec]
     return cmd
@@ -1034,8 +1132,8 @@ def report(out: str, level: float = LEVEL) -> dict:
              f"{level:.0%} percentile bootstrap over seeds (exact, every resample of {len(seeds)}).", "",
              "## Over seeds", ""]
     header = ["method", "seeds", "target by 0.5x budget", "time ratio: median", "time ratio: mean",
-              "acc. at budget: mean", "minus GRPO's target", "peak: mean", "final: mean", "peak - final",
-              "steps", f"{unit}/step", "CPU s/step", "gen. tok / trained tok", "goal"]
+              "acc. at budget: mean", "minus GRPO's target", "AUC: mean", "AUC minus GRPO's", "peak: mean",
+              "final: mean", "peak - final", "steps", f"{unit}/step", "CPU s/step", "gen. tok / trained tok", "goal"]
     body = []
     for m in order:
         if m not in summaries:
@@ -1047,17 +1145,19 @@ def report(out: str, level: float = LEVEL) -> dict:
                      (">= " if s["time_ratio_mean_is_lower_bound"] else "") + mean,
                      fmt_ci(s["acc_at_budget"], s["acc_at_budget_ci"]),
                      fmt_ci(s["diff_at_budget"], s["diff_at_budget_ci"], suffix=""),
+                     fmt_ci(s["auc"], s["auc_ci"]), fmt_ci(s["diff_auc"], s["diff_auc_ci"]),
                      fmt_ci(s["peak"], s["peak_ci"]), fmt_ci(s["final"], s["final_ci"]),
                      f"{s['drop_from_peak']:.3f}", f"{s['steps']:.1f}", f"{s['sec_per_step']:.1f}",
                      f"{s['cpu_per_step']:.1f}",
                      f"{s['gen_per_trained_token']:.2f}",
-                     "-" if m == REFERENCE else ("MET" if goal_met(s) else "missed")])
+                     "-" if m == REFERENCE else goal_verdict(s)])
     lines += [markdown_table(header, body), "",
               "time ratio: the training time at the first evaluation at or above GRPO's target, over GRPO's budget "
               "(mean: a seed that never reached it counted at its stopping clock, so the mean is then a lower bound, "
-              "'>='). goal (issue 35): the target by 0.5x the budget on >= 4 of 5 seeds and a mean accuracy at the "
-              "budget >= GRPO's (mean difference >= 0).", "", "## Per seed", ""]
-    header = ["seed", "before", "method", f"budget ({clock}, {unit})", "time to target", "acc. at budget",
+              "'>='). AUC: the area under the held-out accuracy curve over the budget, over the budget (the mean "
+              "accuracy over the budget, `curve_auc`). goal (issue 35): the target by 0.5x the budget on >= 4 of 5 "
+              "seeds and a mean accuracy at the budget >= GRPO's (mean difference >= 0).", "", "## Per seed", ""]
+    header = ["seed", "before", "method", f"budget ({clock}, {unit})", "time to target", "acc. at budget", "AUC",
               "peak (at x)", "final", "steps", f"{unit}/step", "CPU s/step", "gen. tok / trained tok", "held-out SE"]
     body = []
     for s in seeds:
@@ -1067,7 +1167,7 @@ def report(out: str, level: float = LEVEL) -> dict:
             x, run = per_seed[m][s], runs[s][m]
             se = [e["se"] for e in run.get("evaluations", []) if "se" in e]
             body.append([str(s), f"{runs[s][REFERENCE]['before']['acc']:.3f}", labels[m], f"{x['budget_s']:.0f}",
-                         fmt_ratio(x, unit), f"{x['acc_at_budget']:.3f}", f"{x['peak']:.3f} ({x['peak_at']:.2f}x)",
+                         fmt_ratio(x, unit), f"{x['acc_at_budget']:.3f}", f"{x['auc']:.3f}", f"{x['peak']:.3f} ({x['peak_at']:.2f}x)",
                          f"{x['final']:.3f}", str(x["steps"]), f"{x['sec_per_step']:.1f}", f"{x['cpu_per_step']:.1f}",
                          f"{x['gen_per_trained_token']:.2f}", f"{max(se):.3f}" if se else "-"])
     lines += [markdown_table(header, body), "",
@@ -1132,6 +1232,7 @@ STEP_COLUMNS = (
     ("overlong pen.", lambda e, b: e.get("dapo/overlong_penalty")),
     ("penalized", lambda e, b: e.get("dapo/frac_overlong_penalized")),
     ("gen/trained tok", lambda e, b: e["gen_tokens"] / e["trained_tokens"] if e.get("trained_tokens") else None),
+    ("staleness", lambda e, b: e.get("async/staleness")),  # overlapped generation: the mean over the step's rounds
 )
 
 
@@ -1237,8 +1338,9 @@ def steps_report(runs, seeds, order, labels) -> str:
              "update is on-policy); groups with spread: share of the generated groups whose task rewards differ; "
              "kept / generated: DAPO's groups trained / generated; eff. seqs: trained completions with a non-zero "
              "advantage; mean len, cut at max: completion length and the share cut at max_completion_length; "
-             "overlong pen., penalized: DAPO's mean shaping and the share it lowers; held-out: the evaluation after "
-             "that step.", ""]
+             "overlong pen., penalized: DAPO's mean shaping and the share it lowers; staleness: overlapped "
+             "generation's `async/staleness` (the mean over the step's generation rounds); held-out: the evaluation "
+             "after that step.", ""]
     for s in seeds:
         budget = runs[s][REFERENCE]["train_seconds"]
         for m in order:
@@ -1344,6 +1446,9 @@ def main(argv=None) -> int:
     parser.add_argument("--order", choices=("seed", "method"), default="seed",
                         help="with --seeds: start the runs seed by seed, or method by method")
     parser.add_argument("--report", metavar="DIR", default=None, help="only rebuild the multi-seed report of DIR")
+    parser.add_argument("--server-url", default=None,
+                        help="the vLLM server of the methods that generate on one (grpo_async, ...); default: one "
+                             "`trl-ppo-variants vllm-serve` started for the run (run this script with .venv-vllm)")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # one (seed, method): run_seeds' child
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(argv)
@@ -1377,7 +1482,8 @@ def main(argv=None) -> int:
         run_job(known[opts.methods.strip()], seeds[0], opts, progress=lambda s: print(s, flush=True))
         return 0
     if seeds is not None:
-        failures = run_seeds(opts, methods, seeds, progress=lambda s: print(s, flush=True))
+        with benchmark_server(methods, opts, os.path.join(opts.out, "server.log")):
+            failures = run_seeds(opts, methods, seeds, progress=lambda s: print(s, flush=True))
         if os.path.exists(result_path(opts.out, seeds[0], REFERENCE)) or load_runs(opts.out):
             print(report(opts.out)["markdown"])
         return 1 if failures else 0
@@ -1386,9 +1492,10 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     task = smollm2_task(opts.seed, opts.eval_prompts, opts.eval_samples, num_generations=opts.num_generations)
-    result = run_benchmark(task, methods, grpo_steps=opts.grpo_steps, eval_points=opts.eval_points, seed=opts.seed,
-                           out=opts.out, max_steps_factor=opts.max_steps_factor, clock=opts.clock,
-                           progress=lambda s: print(s, flush=True))
+    with benchmark_server(methods, opts, os.path.join(opts.out, "server.log")):
+        result = run_benchmark(task, methods, grpo_steps=opts.grpo_steps, eval_points=opts.eval_points,
+                               seed=opts.seed, out=opts.out, max_steps_factor=opts.max_steps_factor, clock=opts.clock,
+                               progress=lambda s: print(s, flush=True), server_url=opts.server_url)
     print()
     print(result["table"])
     print(f"\ntime_to_accuracy: results -> {opts.out}")

@@ -49,6 +49,35 @@ def test_the_probe_is_a_fixed_forward_that_leaves_the_model_as_it_was(toy_model_
     assert torch.equal(probe.ids, tta.SpeedProbe(model, vocab_size=50, rows=2, tokens=8).ids)
 
 
+def test_the_held_out_measure_decodes_what_plain_generation_decodes(toy_model_dir):
+    """The prompt's cache computed once and repeated for its samples (under either name transformers gives it), in
+    batches of left-padded prompts: greedy, every sample is the completion `generate` gives the prompt alone."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(toy_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(toy_model_dir)
+    prompts = ["1+2=", "13+4=", "2+22=", "103+7=", "3+3="]
+    model.train()
+    seen = []
+
+    def reward(completions, answer):
+        seen.extend(completions)
+        return [1.0 if c.startswith(a) else 0.0 for c, a in zip(completions, answer)]
+
+    alone = []
+    for p in prompts:
+        enc = tokenizer(p, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        alone.append(tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    answers = [alone[0], "x", alone[2], alone[3], "y"]
+    correct = tta.sampled_correct(model, tokenizer, prompts, answers, samples=2, temperature=1.0, max_new_tokens=3,
+                                  seed=0, reward=reward, questions_per_batch=2, do_sample=False)
+    assert seen == [c for c in alone for _ in range(2)]
+    assert correct == [2, 0, 2, 2, 0] and model.training
+
+
 def test_the_reference_evaluates_on_a_step_grid():
     assert [s for s in range(1, 21) if tta.step_grid_due(s, 5)] == [5, 10, 15, 20]
 
@@ -111,6 +140,32 @@ def test_every_method_builds_its_config_with_the_demos_settings(tmp_path, name):
     mode = method.settings.get("prompt_selection")
     if mode:
         assert args.selection_mode() == mode
+
+
+@pytest.mark.parametrize("name", ["grpo_server", "grpo_async", "dapo_server", "dapo_async"])
+def test_the_server_methods_generate_on_the_benchmarks_server(tmp_path, name):
+    """Issue 42's rows: on the server, overlapped or not; DAPO's first round is the dataloader's batch (a larger one
+    is made when it comes, so nothing would overlap). A server method without a server is a clear error."""
+    method = tta.METHODS[name]
+    assert tta.uses_server(method) and not tta.uses_server(tta.METHODS["grpo"])
+    args = tta.trainer_classes(method)[0](**method.settings, use_cpu=True, output_dir=str(tmp_path), max_steps=2)
+    assert (args.use_vllm, args.vllm_mode, args.max_staleness) == (True, "server", int(name.endswith("_async")))
+    if name.startswith("dapo"):
+        assert args.max_oversample_factor == 1.0
+    task = tta.Task("unused", None, None, None, {})
+    with pytest.raises(ValueError, match=f"method {name}: generates on a vLLM server; expected --server-url"):
+        tta.run_method(method, task, steps=2, seed=0, output_dir=str(tmp_path), budget_s=None, eval_points=1,
+                       before=0.0)
+
+
+def test_no_server_is_started_for_methods_without_one_or_with_one_named():
+    opts = type("Opts", (), {"server_url": None})()
+    with tta.benchmark_server(tta.select_methods("dapo"), opts, "unused.log") as url:
+        assert url is None
+    opts.server_url = "http://127.0.0.1:1"
+    with tta.benchmark_server(tta.select_methods("grpo_async"), opts, "unused.log") as url:
+        assert url == "http://127.0.0.1:1"
+    assert opts.server_url == "http://127.0.0.1:1"
 
 
 def test_a_larger_group_keeps_four_prompts_a_step(monkeypatch):
@@ -227,6 +282,18 @@ def test_a_curve_read_at_fractions_of_the_budget():
     assert tta.curve_at([(0.0, 0.1), (90.0, 0.4)], 100.0, [0.45, 1.0]) == pytest.approx([0.25, 0.4])
 
 
+def test_the_area_under_a_curve_is_its_mean_accuracy_over_the_budget():
+    # (0.1 + 0.3) / 2 x 0.5 + (0.3 + 0.5) / 2 x 0.5
+    assert tta.curve_auc([(0.0, 0.1), (50.0, 0.3), (100.0, 0.5)], 100.0) == pytest.approx(0.3)
+    # stopped at 0.9x: its last accuracy held to the budget, 0.9 x 0.25 + 0.1 x 0.4
+    assert tta.curve_auc([(0.0, 0.1), (90.0, 0.4)], 100.0) == pytest.approx(0.265)
+    # evaluated past the budget: read at the budget (0.7), the rest left out
+    assert tta.curve_auc([(0.0, 0.2), (120.0, 0.8)], 100.0) == pytest.approx(0.45)
+    # an early learner and a late one reach 0.5 at the budget alike, with different areas
+    early, late = [(0.0, 0.1), (25.0, 0.5), (100.0, 0.5)], [(0.0, 0.1), (75.0, 0.1), (100.0, 0.5)]
+    assert tta.curve_auc(early, 100.0) == pytest.approx(0.45) and tta.curve_auc(late, 100.0) == pytest.approx(0.15)
+
+
 REF = {"curve": [[0.0, 0.1], [50.0, 0.3], [100.0, 0.4]], "train_seconds": 100.0, "steps": 20}
 
 
@@ -239,6 +306,8 @@ def test_one_seeds_numbers_against_its_reference():
     assert m["acc_at_budget"] == 0.38 and m["diff_at_budget"] == pytest.approx(-0.02)
     assert (m["peak"], m["peak_at"], m["final"]) == (0.5, 0.74, 0.38) and m["drop_from_peak"] == pytest.approx(0.12)
     assert m["stop_ratio"] == 0.98 and m["sec_per_step"] == 9.8
+    # 0.24 x 0.15 + 0.25 x 0.325 + 0.25 x 0.475 + 0.24 x 0.44 + 0.02 x 0.38; GRPO's 0.1 + 0.175
+    assert m["auc"] == pytest.approx(0.3492) and m["diff_auc"] == pytest.approx(0.3492 - 0.275)
     ref = tta.seed_metrics(REF, REF)  # the reference against itself: its target at its end, 1x
     assert ref["time_ratio"] == 1.0 and ref["diff_at_budget"] == 0.0 and not ref["reached_by_half"]
     late = tta.seed_metrics(REF, {**row, "curve": [[0.0, 0.1], [52.0, 0.41], [98.0, 0.3]]})
@@ -263,6 +332,10 @@ def test_means_over_seeds_and_the_goal():
     assert tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 4 + [metrics(0.9, 0.0)]))
     assert not tta.goal_met(tta.method_summary([metrics(0.4, 0.0)] * 3 + [metrics(0.9, 0.0)] * 2))
     assert not tta.goal_met(tta.method_summary([metrics(0.4, -0.01)] * 5))
+    # fewer than 5 seeds: missed once the rest cannot make 4, else undecided
+    assert tta.goal_verdict(tta.method_summary([metrics(0.4, 0.0)] * 4 + [metrics(0.9, 0.0)])) == "MET"
+    assert tta.goal_verdict(tta.method_summary([metrics(0.9, 0.0)] * 2)) == "missed"
+    assert tta.goal_verdict(tta.method_summary([metrics(0.4, 0.0), metrics(0.9, 0.0)])) == "undecided (2 of 5 seeds)"
 
 
 def test_variants_seeds_and_the_job_order():
@@ -335,7 +408,7 @@ def test_the_multi_seed_report(tmp_path):
     assert result["summary"]["grpo"]["acc_at_budget"] == pytest.approx(0.45)
     md = (tmp_path / "time_to_accuracy.md").read_text()
     dapo_row = next(line for line in md.splitlines() if line.startswith("| DAPO "))
-    assert "1/2" in dapo_row and ">= 0.62x" in dapo_row and "missed" in dapo_row
+    assert "1/2" in dapo_row and ">= 0.62x" in dapo_row and "undecided (2 of 5 seeds)" in dapo_row
     assert "| 1    | 0.200  | DAPO" in md and "not reached" in md
     assert "- seed 0, DAPO: 0.00=0.100 0.25=0.420 0.50=0.500 0.99=0.450" in md
     # each evaluation's SE 0.02, no per-question scores: sqrt(2 x 0.02^2) / 2 for the mean, no paired SE
@@ -354,7 +427,7 @@ def test_the_step_by_step_table():
          "entropy": 0.8, "clip_ratio/low_mean": 0.0, "clip_ratio/high_mean": 0.0, "frac_reward_zero_std": 0.75,
          "dapo/groups_kept": 4.0, "dapo/groups_generated": 11.0, "effective_sequences": 16, "trained_sequences": 16,
          "completions/mean_length": 20.5, "completions/clipped_ratio": 0.5, "dapo/overlong_penalty": -0.4,
-         "dapo/frac_overlong_penalized": 0.6, "gen_tokens": 900, "trained_tokens": 300},
+         "dapo/frac_overlong_penalized": 0.6, "gen_tokens": 900, "trained_tokens": 300, "async/staleness": 0.5},
         {"step": 2, "clock_cpu": 50.0, "clock_wall": 70.0, "reward": 0.5, "gen_tokens": 0, "trained_tokens": 0,
          "effective_sequences": 4, "trained_sequences": 16}]}
     lines = tta.steps_table(run, 100.0).splitlines()
@@ -366,6 +439,7 @@ def test_the_step_by_step_table():
     assert first["overlong pen."] == "-0.4" and first["held-out"] == ""
     assert second["task reward"] == "0.5" and second["entropy"] == "" and second["held-out"] == "0.500"
     assert second["eff. seqs"] == "4" and second["gen/trained tok"] == ""
+    assert first["staleness"] == "0.5" and second["staleness"] == ""  # a synchronous step logs none
 
 
 def test_the_diagnosis_of_a_run():
