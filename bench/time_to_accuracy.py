@@ -284,7 +284,8 @@ def sampled_correct(model, tokenizer, prompts, answers, *, samples: int, tempera
     was, the model in eval mode), at about 0.6x its cost. Each prompt is run through the model once and its KV cache
     repeated for its samples (`heldout_accuracy` runs it once per sample: on SmolLM2 a 50-token prompt costs as much
     as 20 generated tokens), and `questions_per_batch * samples` rows are decoded together (6.4 ms a row-token at 128
-    rows against 8.3 at 64, one CPU thread; default: 128 rows, `128 // samples` questions). `reward(completions, answer=...)` scores them (None counts as wrong).
+    rows against 8.3 at 64, one CPU thread; default: `ROWS_PER_BATCH // samples` questions).
+    `reward(completions, answer=...)` scores them (None counts as wrong).
 
     prompts: chat conversations (rendered with the chat template and the generation prompt) or strings; answers: one
     per prompt. Returns one int in [0, samples] per prompt."""
@@ -845,6 +846,7 @@ def seed_metrics(ref: dict, row: dict) -> dict:
     reference's."""
     target, budget = ref["curve"][-1][1], ref["train_seconds"]
     reach = time_to_reach(row["curve"], target)
+    auc = curve_auc(row["curve"], budget)
     last, ref_last = final_evaluation(row), final_evaluation(ref)
     se = next((e["se"] for e in reversed(row.get("evaluations", [])) if "se" in e), math.nan)
     diff_se = paired_se(last["correct"], ref_last["correct"], last["samples"]) \
@@ -859,8 +861,7 @@ def seed_metrics(ref: dict, row: dict) -> dict:
             "sec_per_step": row["train_seconds"] / max(row["steps"], 1),
             "cpu_per_step": row.get("train_seconds_cpu", math.nan) / max(row["steps"], 1),
             "gen_per_trained_token": row.get("gen_per_trained_token", math.nan),
-            "se_at_budget": se, "diff_se": diff_se, "auc": curve_auc(row["curve"], budget),
-            "diff_auc": curve_auc(row["curve"], budget) - curve_auc(ref["curve"], budget)}
+            "se_at_budget": se, "diff_se": diff_se, "auc": auc, "diff_auc": auc - curve_auc(ref["curve"], budget)}
 
 
 def noise_of_mean(ses: list[float]) -> float:
@@ -883,8 +884,6 @@ def method_summary(per_seed: list[dict], level: float = LEVEL) -> dict:
            "time_ratio_mean": _mean(censored), "time_ratio_mean_ci": bootstrap_ci(censored, level=level),
            "time_ratio_mean_is_lower_bound": any(not math.isfinite(r) for r in ratios)}
     for key in ("acc_at_budget", "diff_at_budget", "peak", "final", "drop_from_peak", "target", "auc", "diff_auc"):
-        if any(key not in m for m in per_seed):  # an older run's metrics
-            continue
         values = [m[key] for m in per_seed]
         out[key] = _mean(values)
         out[key + "_ci"] = bootstrap_ci(values, level=level)
@@ -1167,7 +1166,8 @@ def report(out: str, level: float = LEVEL) -> dict:
             x, run = per_seed[m][s], runs[s][m]
             se = [e["se"] for e in run.get("evaluations", []) if "se" in e]
             body.append([str(s), f"{runs[s][REFERENCE]['before']['acc']:.3f}", labels[m], f"{x['budget_s']:.0f}",
-                         fmt_ratio(x, unit), f"{x['acc_at_budget']:.3f}", f"{x['auc']:.3f}", f"{x['peak']:.3f} ({x['peak_at']:.2f}x)",
+                         fmt_ratio(x, unit), f"{x['acc_at_budget']:.3f}", f"{x['auc']:.3f}",
+                         f"{x['peak']:.3f} ({x['peak_at']:.2f}x)",
                          f"{x['final']:.3f}", str(x["steps"]), f"{x['sec_per_step']:.1f}", f"{x['cpu_per_step']:.1f}",
                          f"{x['gen_per_trained_token']:.2f}", f"{max(se):.3f}" if se else "-"])
     lines += [markdown_table(header, body), "",

@@ -319,7 +319,7 @@ def test_means_over_seeds_and_the_goal():
         return {"time_ratio": ratio, "stop_ratio": stop, "reached_by_half": ratio <= 0.5, "acc_at_budget": 0.5 + diff,
                 "diff_at_budget": diff, "peak": 0.6, "final": 0.5 + diff, "drop_from_peak": 0.1 - diff,
                 "target": 0.5, "steps": 10, "sec_per_step": 2.0, "cpu_per_step": 1.5, "gen_per_trained_token": 1.0,
-                "peak_at": 0.5}
+                "peak_at": 0.5, "auc": 0.4 + diff, "diff_auc": diff}
 
     s = tta.method_summary([metrics(0.4, 0.1), metrics(0.6, -0.05), metrics(math.inf, 0.0, stop=0.97)])
     assert (s["seeds"], s["reached_by_half"], s["not_reached"]) == (3, 1, 1)
