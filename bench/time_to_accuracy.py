@@ -54,8 +54,9 @@ Generation on a vLLM server (`grpo_server`, `dapo_server`; overlapped with train
 `max_staleness=1`): the script starts one `trl-ppo-variants vllm-serve` of the model (unpinned; `--server-url` names
 another instead) and the runs use it one after the other, each syncing its policy before its first generation; run it
 with vLLM's environment (`.venv-vllm`). Before an evaluation an overlapped run waits for its queued batch on the clock,
-so that the evaluation, off the clock, gives the overlap no generation time. DAPO's server rows generate a first round
-of the dataloader's batch (`max_oversample_factor=1`), the one an overlapped run can queue a step ahead. The wall
+so that the evaluation, off the clock, gives the overlap no generation time. An overlapped DAPO queues its whole
+first round a step ahead, over-sampled or not; `dapo_async_batch` limits it to the dataloader's batch
+(`max_oversample_factor=1`), what could be queued ahead before the first round was planned ahead. The wall
 clock (`--clock wall`, a quiet machine) is the one that sees the overlap: the CPU clocks count the trainer's process
 only. The report adds the area under each accuracy-over-time curve over the budget (`curve_auc`: the mean accuracy
 over the budget) beside the crossing time; 640 questions x 1 sample hold an evaluation's standard error to <= 0.02.
@@ -126,12 +127,13 @@ METHODS = {m.name: m for m in [
     Method("grpo_greso", "GRPO + GRESO", "grpo_ours", {"prompt_selection": "greso"}),
     Method("grpo_speed_greso", "GRPO + SPEED + GRESO", "grpo_ours", {"prompt_selection": "speed+greso"}),
     Method("grpo_ds", "GRPO + dynamic sampling", "grpo_ours", {"prompt_selection": "dynamic_sampling"}),
-    # generation on a vLLM server, synchronous or overlapped with training (issue 42). DAPO's first round is the
-    # dataloader's batch (`max_oversample_factor=1`): a larger one is not known a step ahead, so it is not prefetched
+    # generation on a vLLM server, synchronous or overlapped with training (issue 42); `dapo_async_batch`: the first
+    # round held to the dataloader's batch, the only one queued ahead before first rounds were planned ahead
     Method("grpo_server", "GRPO, server", "grpo_ours", dict(SERVER)),
     Method("grpo_async", "GRPO, server, max_staleness=1", "grpo_ours", {**SERVER, "max_staleness": 1}),
-    Method("dapo_server", "DAPO, server, first round = batch", "dapo", {**SERVER, "max_oversample_factor": 1.0}),
-    Method("dapo_async", "DAPO, server, max_staleness=1, first round = batch", "dapo",
+    Method("dapo_server", "DAPO, server", "dapo", dict(SERVER)),
+    Method("dapo_async", "DAPO, server, max_staleness=1", "dapo", {**SERVER, "max_staleness": 1}),
+    Method("dapo_async_batch", "DAPO, server, max_staleness=1, first round = batch", "dapo",
            {**SERVER, "max_staleness": 1, "max_oversample_factor": 1.0}),
 ]}
 DEFAULT_METHODS = ("grpo", "grpo_speed", "dapo", "dapo_speed", "rloo", "rloo_speed", "reinforce_pp", "ppo")

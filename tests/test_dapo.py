@@ -343,7 +343,7 @@ def test_prompts_to_generate(needed, rate, prob, multiple, cap, expected):
 def _sizing_selection(world=1, G=4, target=4, factor=2.0, state=(0.0, 0.0), init=1.0):
     args = SimpleNamespace(generation_batch_size=target * G, max_oversample_factor=factor, shortfall_probability=0.2,
                            keep_rate_init=init)
-    return SimpleNamespace(trainer=SimpleNamespace(args=args, num_generations=G),
+    return SimpleNamespace(trainer=SimpleNamespace(args=args, num_generations=G), group_size=G,
                            prompt_multiple=world // math.gcd(G, world), keep_rate=keep_rate_estimate(state, init))
 
 
@@ -408,7 +408,8 @@ def test_over_sampled_first_round_follows_the_repeat_sampler_layout():
 
 def _layout(G, rank, screen, complete=(), screen_size=None, world=2):
     fake = SimpleNamespace(trainer=SimpleNamespace(num_generations=G, accelerator=SimpleNamespace(
-        num_processes=world, process_index=rank)), speed=screen_size is not None, screen_size=screen_size or G)
+        num_processes=world, process_index=rank)), group_size=G, speed=screen_size is not None,
+        screen_size=screen_size or G)
     return PromptSelection._layout(fake, list(screen), list(complete))
 
 
@@ -502,6 +503,45 @@ def test_first_round_is_over_sampled_from_the_estimate(tmp_path, toy_model_dir, 
     log = next(h for h in trainer.state.log_history if "dapo/first_round_prompts" in h)
     assert log["dapo/first_round_prompts"] == 8 and log["dapo/keep_rate_estimate"] == 0.5
     assert trainer.prompt_selection.source.state_dict()["offset"] >= 4  # drawn from the refill sampler
+
+
+def test_a_first_round_planned_ahead_is_the_one_generated_and_drawn_again_after_a_resume(
+        tmp_path, toy_model_dir, toy_dataset, monkeypatch):
+    """Overlapped generation plans a step's first round when it queues its request (`prefetch_rows` -> `reserve`):
+    sized from the estimate of then, its refill prompts drawn then. Step 0's round is planned at an estimate of 0.5
+    (8 prompts: the batch's 4 and 4 refill prompts), then the estimate goes back to 1.0 (which would plan 4): step 0
+    generates exactly the planned rows and logs the planned size and estimate. The plan as a checkpoint holds it
+    (where its prompts were drawn from, not the rows) draws the same prompts again and moves no live position."""
+    args = toy_args(DAPOConfig, tmp_path, per_device_train_batch_size=16, max_steps=1)
+    trainer = DAPOTrainer(toy_model_dir, addition_reward, args=args, train_dataset=toy_dataset)
+    sel = trainer.prompt_selection
+    planned, saved = [], []
+    original = trainer._generate_and_score_completions
+
+    def plan_then_generate(inputs):
+        sel.keep_rate_state = (0.5, 1.0)
+        planned.append(trainer.prefetch_rows(inputs, trainer._step))
+        saved.append(sel.state_dict())
+        sel.keep_rate_state = (0.0, 0.0)
+        return original(inputs)
+
+    trainer._generate_and_score_completions = plan_then_generate
+    rounds = _round_inputs(monkeypatch)
+    trainer.train()
+    (rows, n), = planned
+    assert n == 4 and len(rows) == 32 and rounds[0] == rows
+    assert not {r["prompt"] for r in rows[16:]} & {r["prompt"] for r in rows[:16]}  # fresh refill prompts
+    log = next(h for h in trainer.state.log_history if "dapo/first_round_prompts" in h)
+    assert log["dapo/first_round_prompts"] == 8 and log["dapo/keep_rate_estimate"] == 0.5
+    assert sel.reserved == {}  # used once
+    plan = saved[0]["reserved"]["0"]
+    assert plan["first_round"] == 8 and "rows" not in plan
+    other = PromptSelection(trainer)
+    other.load_state_dict(saved[0])
+    live = other.source.state_dict()
+    heads = rows[:16:4]
+    assert other._reserved_prompts(other.reserved[0], heads) == heads + [rows[16 + 4 * i] for i in range(4)]
+    assert other.source.state_dict() == live
 
 
 def test_refills_are_sized_to_the_shortfall(tmp_path, toy_model_dir, toy_dataset, monkeypatch):

@@ -142,16 +142,16 @@ def test_every_method_builds_its_config_with_the_demos_settings(tmp_path, name):
         assert args.selection_mode() == mode
 
 
-@pytest.mark.parametrize("name", ["grpo_server", "grpo_async", "dapo_server", "dapo_async"])
+@pytest.mark.parametrize("name", ["grpo_server", "grpo_async", "dapo_server", "dapo_async", "dapo_async_batch"])
 def test_the_server_methods_generate_on_the_benchmarks_server(tmp_path, name):
-    """Issue 42's rows: on the server, overlapped or not; DAPO's first round is the dataloader's batch (a larger one
-    is made when it comes, so nothing would overlap). A server method without a server is a clear error."""
+    """Issue 42's rows: on the server, overlapped or not; DAPO with its own over-sampling, or its first round held
+    to the dataloader's batch (`dapo_async_batch`). A server method without a server is a clear error."""
     method = tta.METHODS[name]
     assert tta.uses_server(method) and not tta.uses_server(tta.METHODS["grpo"])
     args = tta.trainer_classes(method)[0](**method.settings, use_cpu=True, output_dir=str(tmp_path), max_steps=2)
-    assert (args.use_vllm, args.vllm_mode, args.max_staleness) == (True, "server", int(name.endswith("_async")))
+    assert (args.use_vllm, args.vllm_mode, args.max_staleness) == (True, "server", int("_async" in name))
     if name.startswith("dapo"):
-        assert args.max_oversample_factor == 1.0
+        assert args.max_oversample_factor == (1.0 if name.endswith("_batch") else 2.0)
     task = tta.Task("unused", None, None, None, {})
     with pytest.raises(ValueError, match=f"method {name}: generates on a vLLM server; expected --server-url"):
         tta.run_method(method, task, steps=2, seed=0, output_dir=str(tmp_path), budget_s=None, eval_points=1,

@@ -14,7 +14,9 @@ The seam is the one HTTP request of TRL's server-mode generation, `VLLMClient.ge
   dataloader (read ahead by `batch_samples`, the Trainer's `get_batch_samples`), tokenizes their prompts as TRL does
   (`_tokenize_prompts`), gathers them (main thread), and the main process queues the very request TRL's
   `VLLMGeneration.generate` will make for them (the unique prompts of every process, the same sampling parameters),
-  plus a trainer's extra requests for the same rows (ReMax's greedy rows: `async_requests`);
+  plus a trainer's extra requests for the same rows (ReMax's greedy rows: `async_requests`). A prompt selection's
+  first request is its first round, planned now (DAPO's over-sampled round, SPEED's screenings: `prefetch_rows`);
+  its later rounds depend on the first one's rewards and are requested when they come;
 - **answer**: when TRL makes a request, the main process's client (`_answer`) returns the queued request's answer if
   one with exactly these prompts and parameters is queued and young enough, and otherwise sends it through the
   worker (after what is queued: requests never overlap on the server). TRL then broadcasts and scores it as usual;
@@ -173,18 +175,20 @@ class AsyncRollout:
             if trained_at >= t.state.max_steps > 0 or trained_at - t._last_loaded_step > self.max_staleness:
                 break  # past the run's end, or too old by the time it trains (steps_per_generation > accumulation)
             self.submitted.add(index)
-            self.submit(self.items[index])
+            self.submit(self.items[index], self.base_step + index)
         for old in [i for i in self.items if i < current]:
             del self.items[old]
 
-    def submit(self, rows: list) -> None:
-        """Gather the requests TRL will make for `rows` (this process's rows of one generation batch) and queue them
-        on the main process. A batch with images is left to TRL (its request carries image features)."""
+    def submit(self, rows: list, step: int) -> None:
+        """Gather the requests TRL will make first for `rows` (this process's rows of the generation batch of
+        micro-step `step`; a prompt selection's first round planned ahead: `prefetch_rows`) and queue them on the
+        main process. A batch with images is left to TRL (its request carries image features)."""
         from accelerate.utils import gather_object
 
         t = self.trainer
+        rows, n = t.prefetch_rows(rows, step)
         prompt_ids, images, _ = t._tokenize_prompts([x["prompt"] for x in rows])
-        local = None if images is not None else t.async_requests(prompt_ids, t.num_generations)
+        local = None if images is not None else t.async_requests(prompt_ids, n)
         everyone = gather_object([local]) if t.accelerator.num_processes > 1 else [local]
         if any(requests is None for requests in everyone) or not self.is_main:
             return

@@ -44,6 +44,11 @@ Where the papers were silent or we chose:
   convention: > 0 is all-correct). GRESO updates the history with the groups it generates; with SPEED a rejected
   screening (no spread among `N_init` samples) counts as a no-spread group. The exploration probabilities adapt only
   in steps that saw a prompt with a history (GRESO's code adapts from its second epoch on).
+- Overlapped generation (`max_staleness >= 1`): a step's first round is planned when its request is queued, a
+  step or more ahead (`PromptSelection.reserve`): sized from the keep-rate estimate of then, its refill prompts drawn
+  then. The later rounds of a step are requested when they come, with the current policy: they depend on the first
+  round's rewards. GRESO is not planned ahead (its skipping reads the history the steps in between write): every
+  request of a GRESO step is made when it comes.
 - Skipping is decided with a generator seeded from `seed` and the global step: identical on every process and
   reproduced on resume. A round that has drawn 100 candidates per prompt it needs stops skipping (a data set of only
   skippable prompts still trains).
@@ -51,6 +56,7 @@ Where the papers were silent or we chose:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import itertools
 import math
@@ -401,6 +407,9 @@ class PromptSelection:
         self.speed = "speed" in self.mode
         self.greso = "greso" in self.mode
         G, world = trainer.num_generations, trainer.accelerator.num_processes
+        # the group size, kept: a round swaps the trainer's `num_generations` for its block size while TRL generates,
+        # and the next batch's first round is planned during that generation (`reserve`)
+        self.group_size = G
         self.screen_size = args.screening_size()
         self.block = math.gcd(self.screen_size, G)
         if args.refill_num_prompts is not None:
@@ -413,6 +422,8 @@ class PromptSelection:
         self.keep_rate_state = (0.0, 0.0)  # see `selection.update_keep_rate`; the same on every process
         self.history: dict[str, int] = {}  # GRESO: row key -> streak (see `greso_skip_probability`)
         self.p_easy = self.p_hard = float(args.greso_exploration_init)
+        #: overlapped generation: micro-step -> the first round planned ahead for it (`reserve`)
+        self.reserved: dict[int, dict] = {}
         self._warned_exhausted = False
 
     @staticmethod
@@ -436,8 +447,11 @@ class PromptSelection:
         return selection.keep_rate_estimate(self.keep_rate_state, self.trainer.args.keep_rate_init)
 
     def state_dict(self) -> dict:
+        # a reserved first round is saved as its plan and where its prompts were drawn from, not as rows (rows may
+        # hold images): a resumed run draws them again from there (`_reserved_prompts`)
+        reserved = {str(k): {n: v for n, v in r.items() if n != "rows"} for k, r in self.reserved.items()}
         return {"source": self.source.state_dict(), "keep_rate": list(self.keep_rate_state),
-                "history": dict(self.history), "exploration": [self.p_easy, self.p_hard]}
+                "history": dict(self.history), "exploration": [self.p_easy, self.p_hard], "reserved": reserved}
 
     def load_state_dict(self, state: dict) -> None:
         if "source" in state:
@@ -447,22 +461,61 @@ class PromptSelection:
         self.history = {str(k): int(v) for k, v in state.get("history", {}).items()}
         if "exploration" in state:
             self.p_easy, self.p_hard = (float(x) for x in state["exploration"])
+        self.reserved = {int(k): dict(r) for k, r in state.get("reserved", {}).items()}
 
-    def first_round_is_the_batch(self) -> bool:
-        """Whether a step's first round, as planned now, generates the dataloader's batch as TRL lays it out (the
-        request an overlapped generation can queue ahead): dynamic sampling whose keep-rate estimate asks for no
-        more prompts than the batch holds; never with SPEED's screening or GRESO's skipping."""
+    # -------------------------------------------------------------------------------- the first round, planned ahead
+    def plan_first_round(self) -> dict:
+        """A step's first round as the keep-rate estimate of now sizes it: `first_round` new prompts (the batch's
+        and refill prompts; every process sizes it alike and its rows split evenly) and the estimate `rate`."""
         t = self.trainer
-        G, world = t.num_generations, t.accelerator.num_processes
+        G, world = self.group_size, t.accelerator.num_processes
         target = t.args.generation_batch_size // G
         first = plan_round(max(target, self.round_prompts(target)), 0, self.screen_size, G, world)[0]
-        return not (self.speed or self.greso) and first == target
+        return {"first_round": first, "rate": self.keep_rate}
+
+    def is_the_batch(self, plan: dict) -> bool:
+        """Whether a first round so planned is the dataloader's batch as TRL lays it out: whole groups of the
+        batch's prompts only, nothing gathered (never with SPEED's screenings)."""
+        G = self.group_size
+        return not self.speed and plan["first_round"] == self.trainer.args.generation_batch_size // G
+
+    def reserve(self, rows: list, step: int) -> tuple[list, int]:
+        """Overlapped generation (`max_staleness >= 1`; not with GRESO, whose skipping reads the history of the
+        steps in between): plan now the first round of the generation batch that micro-step `step` will generate
+        (`rows`: this process's rows of it, read ahead), so that its request is queued while the steps before it
+        train. The round is sized from the estimate of now and its refill prompts are drawn now; the plan is kept
+        (`reserved`, and in checkpoints) and used when the batch comes. Every process calls it, in the same order
+        (it gathers). Returns this process's rows of the round and the completions a prompt of its request."""
+        plan = self.reserved.get(step)
+        if plan is None:
+            plan = self.reserved[step] = self.plan_first_round()
+        if self.is_the_batch(plan):
+            return rows, self.group_size
+        heads = gather_object([dict(x) for x in rows])[:: self.group_size]
+        chosen = self._reserved_prompts(plan, heads)
+        return self._layout(list(enumerate(chosen)), [])[0], self.block
+
+    def _reserved_prompts(self, plan: dict, heads: list) -> list[dict]:
+        """The prompts of a reserved first round: the batch's (`heads`) and the refill prompts drawn for it, drawn
+        once from the refill source (its position before is kept); after a resume, drawn again from that position
+        with a copy of the source, so the resumed run's round is the uninterrupted one's."""
+        if "rows" not in plan:
+            seen = {prompt_key(x) for x in heads}
+            count = plan["first_round"] - len(heads)
+            if "source" in plan:
+                source = self._make_source(self.trainer)
+                source.load_state_dict(plan["source"])
+            else:
+                source = self.source
+                plan["source"] = copy.deepcopy(source.state_dict())
+            plan["rows"] = source.draw(count, seen)
+        return heads + plan["rows"]
 
     # -------------------------------------------------------------------------------- choosing prompts
     def round_prompts(self, needed: int) -> int:
         """New prompts for a round that must bring `needed` more groups with a spread (`prompts_to_generate`)."""
         args = self.trainer.args
-        target = args.generation_batch_size // self.trainer.num_generations
+        target = args.generation_batch_size // self.group_size
         m = self.prompt_multiple
         cap = max(m, int(args.max_oversample_factor * target) // m * m)
         return selection.prompts_to_generate(needed, self.keep_rate, args.shortfall_probability, m, cap)
@@ -497,7 +550,7 @@ class PromptSelection:
         """This process's rows of a round and the round's segments: every screened prompt `screen_size` times, then
         every completed one `G - screen_size` times, the global list split in equal contiguous shares."""
         t = self.trainer
-        G, world, rank = t.num_generations, t.accelerator.num_processes, t.accelerator.process_index
+        G, world, rank = self.group_size, t.accelerator.num_processes, t.accelerator.process_index
         kind = "screen" if self.speed else "group"
         segments = [selection.Segment(key, kind, self.screen_size) for key, _ in screen]
         segments += [selection.Segment(key, "complete", G - self.screen_size) for key, _ in complete]
@@ -532,26 +585,35 @@ class PromptSelection:
         acc = selection.GroupAccumulator(target, G, multiple, args.filter_std_eps, rank, world)
         metrics = t._metrics["train"]
         max_rounds = args.max_generation_rounds
-        rate_used = self.keep_rate
+        # overlapped generation planned (and queued) this step's first round ahead; else it is planned now
+        for old in [k for k in self.reserved if k < t._step]:
+            del self.reserved[old]  # planned for a batch that never came (the run stopped before it)
+        plan = self.reserved.pop(t._step, None)
+        reserved = plan is not None
+        if not reserved:
+            plan = self.plan_first_round()
+        first_round, rate_used = plan["first_round"], plan["rate"]
         step = {"rng": torch.Generator().manual_seed(int(args.seed) * 1_000_003 + int(t.state.global_step)),
                 "skipped": 0, "had_history": False, "easy": 0, "hard": 0}
         rows_of = {}  # key -> data-set row of every prompt started this step
         refill_prompts = 0
         generated_tokens = 0.0
-        # every process sizes the first round from the same estimate, hence identically; its rows must split evenly
-        first_round = plan_round(max(target, self.round_prompts(target)), 0, self.screen_size, G, world)[0]
         seen = None
         while True:
             if acc.rounds == 0:
-                if not (self.speed or self.greso) and first_round == target:
+                if not self.greso and self.is_the_batch(plan):
                     # the dataloader's batch as TRL laid it out: whole groups, nothing gathered
                     round_inputs, segments, screen, complete = inputs, None, [], []
                 else:
                     everyone = gather_object([dict(x) for x in inputs])  # every process's rows, in order
                     heads = everyone[::G]
-                    seen = {prompt_key(x) for x in heads}
-                    chosen = self._skip(heads, step) if self.greso else heads
-                    chosen += self._draw(first_round - len(chosen), seen, step)
+                    if reserved:
+                        chosen = self._reserved_prompts(plan, heads)
+                        seen = {prompt_key(x) for x in chosen}
+                    else:
+                        seen = {prompt_key(x) for x in heads}
+                        chosen = self._skip(heads, step) if self.greso else heads
+                        chosen += self._draw(first_round - len(chosen), seen, step)
                     screen, complete = list(enumerate(chosen)), []
             else:
                 if seen is None:  # prompts of this step's first round, on every process
@@ -739,9 +801,14 @@ class PromptSelectionMixin:
         """Hand the estimator `selection_scores` of the kept rows (in the batch's order) before its advantages."""
 
     def prefetches_generation(self) -> bool:
-        if self.prompt_selection is None:
+        if self.prompt_selection is None or not self.prompt_selection.greso:
             return super().prefetches_generation()
-        return self.prompt_selection.first_round_is_the_batch()
+        return False  # GRESO's skipping reads the history the steps in between write
+
+    def prefetch_rows(self, rows: list, step: int) -> tuple[list, int]:
+        if self.prompt_selection is None:
+            return super().prefetch_rows(rows, step)
+        return self.prompt_selection.reserve(rows, step)
 
     def _generate_and_score_completions(self, inputs):
         if not (self.model.training and self.prompt_selection is not None):

@@ -46,6 +46,8 @@ vllm_colocate.varied_reward = spread_reward
 EXTRA_CASES = {
     # DAPO without over-sampling: its first round is the dataloader's batch (queued ahead), its refills fresh
     "dapo_first_round": ("dapo", {"max_generation_rounds": 4, "max_oversample_factor": 1.0}, {"reward": "mixed"}),
+    # DAPO over-sampling from its first step (estimate 0.5): the batch and refill prompts, planned and queued ahead
+    "dapo_oversampled": ("dapo", {"max_generation_rounds": 4, "keep_rate_init": 0.5}, {"reward": "mixed"}),
     "ratio_on": ("grpo", {"vllm_importance_sampling_mode": "token_truncate",
                           "vllm_importance_sampling_clip_max": 1e6}, {}),
     "ratio_off": ("grpo", {"vllm_importance_sampling_correction": False}, {}),

@@ -790,9 +790,15 @@ class VariantTrainer(GRPOTrainer):
 
     def prefetches_generation(self) -> bool:
         """Whether the next generation batch's requests are queued ahead now (`max_staleness >= 1`): a step whose first
-        request will not be the dataloader's batch (a prompt selection's larger first round, SPEED's screening,
-        GRESO's skipping) makes each request when it comes, with the current policy."""
+        request cannot be known a step ahead (GRESO's skipping) makes each request when it comes, with the current
+        policy."""
         return True
+
+    def prefetch_rows(self, rows: list, step: int) -> tuple[list, int]:
+        """The rows (this process's) whose generation TRL will request first for the generation batch `rows` that
+        micro-step `step` generates, and the completions a prompt of that request: the batch itself, or a prompt
+        selection's first round planned ahead (`screening.PromptSelection.reserve`). Every process, in order."""
+        return rows, self.num_generations
 
     def async_requests(self, prompt_ids: list, num_generations: int) -> list[tuple[list, int, dict]]:
         """The server requests TRL's generation of a batch makes, as (this process's prompt ids, completions a prompt,
