@@ -145,10 +145,11 @@ def uses_server(method: Method) -> bool:
 
 
 @contextlib.contextmanager
-def benchmark_server(methods: list[Method], opts, log_path: str):
+def benchmark_server(methods: list[Method], opts):
     """The vLLM server of the methods that generate on one (`uses_server`): `trl-ppo-variants vllm-serve` of the
-    model, unpinned, started here when `opts.server_url` names none, its URL in `opts.server_url` until it stops.
-    One server serves the runs one after the other: each run syncs its policy before its first generation."""
+    model, unpinned, started here when `opts.server_url` names none, its URL in `opts.server_url` until it stops, its
+    log in `opts.out`/server.log (not committed). One server serves the runs one after the other: each run syncs its
+    policy before its first generation."""
     if opts.server_url or not any(uses_server(m) for m in methods):
         yield opts.server_url
         return
@@ -157,8 +158,8 @@ def benchmark_server(methods: list[Method], opts, log_path: str):
 
     from trl_ppo_variants.smollm2 import smollm2_checkpoint
 
-    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    proc, opts.server_url = start_server(smollm2_checkpoint(), None, log_path)
+    os.makedirs(opts.out, exist_ok=True)
+    proc, opts.server_url = start_server(smollm2_checkpoint(), None, os.path.join(opts.out, "server.log"))
     try:
         yield opts.server_url
     finally:
@@ -1484,7 +1485,7 @@ def main(argv=None) -> int:
         run_job(known[opts.methods.strip()], seeds[0], opts, progress=lambda s: print(s, flush=True))
         return 0
     if seeds is not None:
-        with benchmark_server(methods, opts, os.path.join(opts.out, "server.log")):
+        with benchmark_server(methods, opts):
             failures = run_seeds(opts, methods, seeds, progress=lambda s: print(s, flush=True))
         if os.path.exists(result_path(opts.out, seeds[0], REFERENCE)) or load_runs(opts.out):
             print(report(opts.out)["markdown"])
@@ -1494,7 +1495,7 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     task = smollm2_task(opts.seed, opts.eval_prompts, opts.eval_samples, num_generations=opts.num_generations)
-    with benchmark_server(methods, opts, os.path.join(opts.out, "server.log")):
+    with benchmark_server(methods, opts):
         result = run_benchmark(task, methods, grpo_steps=opts.grpo_steps, eval_points=opts.eval_points,
                                seed=opts.seed, out=opts.out, max_steps_factor=opts.max_steps_factor, clock=opts.clock,
                                progress=lambda s: print(s, flush=True), server_url=opts.server_url)

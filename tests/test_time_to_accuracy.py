@@ -160,10 +160,10 @@ def test_the_server_methods_generate_on_the_benchmarks_server(tmp_path, name):
 
 def test_no_server_is_started_for_methods_without_one_or_with_one_named():
     opts = type("Opts", (), {"server_url": None})()
-    with tta.benchmark_server(tta.select_methods("dapo"), opts, "unused.log") as url:
+    with tta.benchmark_server(tta.select_methods("dapo"), opts) as url:
         assert url is None
     opts.server_url = "http://127.0.0.1:1"
-    with tta.benchmark_server(tta.select_methods("grpo_async"), opts, "unused.log") as url:
+    with tta.benchmark_server(tta.select_methods("grpo_async"), opts) as url:
         assert url == "http://127.0.0.1:1"
     assert opts.server_url == "http://127.0.0.1:1"
 
